@@ -1,0 +1,1 @@
+"""Expert GEMM kernels: weight formats, a PyTorch reference, and device backends."""

@@ -1,0 +1,68 @@
+"""The numerical oracle for routed experts: plain PyTorch, float32 math.
+
+Shape legend: T rows (unique tokens sent to this worker), H hidden, I expert
+intermediate size, E experts held locally, P (row, expert) pairs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+
+
+@dataclass(frozen=True, slots=True)
+class DenseExpertWeights:
+    """One MoE layer's local experts in the checkpoint dtype.
+
+    w13: [E, 2I, H], gate rows then up rows (as vLLM's w13).
+    w2:  [E, H, I], the down projection.
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+    def __post_init__(self) -> None:
+        assert self.w13.dim() == 3 and self.w2.dim() == 3, "expert weights are [E, N, K]"
+        assert self.w13.shape[0] == self.w2.shape[0], "w13 and w2 hold different expert counts"
+        assert self.w13.shape[1] == 2 * self.w2.shape[2], "w13 is not [E, 2I, H] for w2 [E, H, I]"
+        assert self.w13.shape[2] == self.w2.shape[1], "w13 and w2 disagree on H"
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w13.shape[2]
+
+
+def moe_experts_reference(
+    hidden: torch.Tensor,
+    pair_rows: torch.Tensor,
+    pair_experts: torch.Tensor,
+    pair_weights: torch.Tensor,
+    weights: DenseExpertWeights,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """Sum of router-weighted expert MLPs per row, in float32.
+
+    hidden:       [T, H] any float dtype
+    pair_rows:    [P] int, row of `hidden` for each pair
+    pair_experts: [P] int, local expert index in [0, E)
+    pair_weights: [P] float32 router weight
+    returns       [T, H] float32: out[t] = sum_p w_p * down(act(gate x_t) * up x_t)
+    """
+    act = ACTIVATIONS[activation]
+    x = hidden.float()
+    out = torch.zeros(hidden.shape[0], weights.hidden_size, dtype=torch.float32, device=hidden.device)
+    for e in torch.unique(pair_experts).tolist():
+        sel = pair_experts == e
+        rows = pair_rows[sel]
+        gate_up = x[rows] @ weights.w13[e].float().t()  # [R, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = (act(gate) * up) @ weights.w2[e].float().t()  # [R, H]
+        out.index_add_(0, rows, y * pair_weights[sel].float().unsqueeze(-1))
+    return out

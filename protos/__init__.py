@@ -1,0 +1,13 @@
+"""The contract between the pools: wire schema, tensor codec, placement, checkpoint identity."""
+
+# Bump with the proto package version (hetero_moe.expert.v1) on incompatible changes.
+PROTOCOL_VERSION = 1
+
+# gRPC's default 4 MiB message cap is far below one prefill micro-batch
+# (2048 tokens x 4096 hidden x bf16 = 16 MiB); both ends raise it to this.
+MAX_MESSAGE_BYTES = 1 << 30
+
+GRPC_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
