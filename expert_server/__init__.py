@@ -1,0 +1,1 @@
+"""Pool B: one worker process per GPU serving a contiguous shard of routed experts."""

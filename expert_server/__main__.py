@@ -1,0 +1,76 @@
+"""python -m expert_server --model DIR --worker-index i --num-workers W --port P
+
+Loads experts [i*E/W, (i+1)*E/W) of every MoE layer and serves them over gRPC
+(grpc.aio on uvloop), with the standard health service and reflection.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+import torch
+import uvloop
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from expert_server.config import WorkerConfig
+from expert_server.experts import LocalExperts
+from expert_server.servicer import ExpertServicer
+from expert_server.weights import load_shard
+from protos import GRPC_OPTIONS
+from protos import expert_pb2 as pb
+from protos import expert_pb2_grpc as pb_grpc
+from protos.checkpoint import read_checkpoint
+from protos.placement import Placement
+
+logger = logging.getLogger("expert_server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertService"].full_name
+
+
+async def serve(cfg: WorkerConfig) -> None:
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    ckpt = read_checkpoint(cfg.model)
+    start, end = Placement(ckpt.num_experts, cfg.num_workers).expert_range(cfg.worker_index)
+    experts = LocalExperts(ckpt, start, end, load_shard(ckpt, start, end, torch.device(cfg.device)))
+    servicer = ExpertServicer(experts, cfg.worker_index, cfg.num_workers, kernel_backend="reference")
+
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    pb_grpc.add_ExpertServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if port == 0:
+        raise SystemExit(f"expert_server: cannot bind {cfg.host}:{cfg.port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logger.info(
+        "worker %d/%d serving experts [%d, %d) of %s on %s:%d",
+        cfg.worker_index, cfg.num_workers, start, end, ckpt.model_type, cfg.host, port,
+    )
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("worker %d stopping", cfg.worker_index)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=2.0)
+    servicer.close()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvloop.run(serve(WorkerConfig.from_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""The expert worker's configuration: one frozen dataclass built from CLI flags."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    model: Path
+    worker_index: int
+    num_workers: int
+    port: int
+    host: str = "127.0.0.1"
+    device: str = "cpu"
+    num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+
+    def __post_init__(self) -> None:
+        if not self.model.is_dir():
+            raise ValueError(f"--model {self.model} is not a directory")
+        if self.num_workers < 1:
+            raise ValueError(f"--num-workers must be >= 1, got {self.num_workers}")
+        if not 0 <= self.worker_index < self.num_workers:
+            raise ValueError(f"--worker-index {self.worker_index} is outside [0, {self.num_workers})")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port {self.port} is not a TCP port")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> WorkerConfig:
+        p = argparse.ArgumentParser(prog="python -m expert_server", description=__doc__)
+        p.add_argument("--model", type=Path, required=True, help="HF-format MoE checkpoint directory")
+        p.add_argument("--worker-index", type=int, required=True)
+        p.add_argument("--num-workers", type=int, required=True)
+        p.add_argument("--port", type=int, required=True, help="gRPC port (0 picks a free one)")
+        p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
+        p.add_argument("--device", default="cpu", help="torch device for the experts")
+        p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+        a = p.parse_args(argv)
+        return cls(
+            model=a.model,
+            worker_index=a.worker_index,
+            num_workers=a.num_workers,
+            port=a.port,
+            host=a.host,
+            device=a.device,
+            num_threads=a.num_threads,
+        )

@@ -1,0 +1,99 @@
+"""This worker's experts, validated requests in, float32 partials out."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.reference import DenseExpertWeights, moe_experts_reference
+from protos.checkpoint import MoeCheckpoint
+
+HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class RequestError(ValueError):
+    """A request that is malformed or asks for something this worker does not hold."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertBatch:
+    """One validated Forward request.
+
+    hidden:       [T, H] float
+    pair_rows:    [P] int64 in [0, T)
+    pair_experts: [P] int64 local expert index in [0, E_w)
+    pair_weights: [P] float32
+    """
+
+    layer: int
+    hidden: torch.Tensor
+    pair_rows: torch.Tensor
+    pair_experts: torch.Tensor
+    pair_weights: torch.Tensor
+
+
+class LocalExperts:
+    """Experts [start, end) of every MoE layer of one checkpoint."""
+
+    def __init__(self, ckpt: MoeCheckpoint, start: int, end: int, shard: dict[int, DenseExpertWeights]):
+        self.ckpt = ckpt
+        self.start, self.end = start, end
+        self.shard = shard
+        self.device = next(iter(shard.values())).w13.device
+
+    def make_batch(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        pair_rows: torch.Tensor,
+        pair_experts: torch.Tensor,
+        pair_weights: torch.Tensor,
+    ) -> ExpertBatch:
+        """Check a decoded request against what this worker holds."""
+        if layer not in self.shard:
+            raise RequestError(f"layer {layer} is not a MoE layer of this model (MoE layers: {list(self.shard)})")
+        if hidden.dtype not in HIDDEN_DTYPES:
+            raise RequestError(f"hidden dtype {hidden.dtype} is not one of {HIDDEN_DTYPES}")
+        if hidden.dim() != 2 or hidden.shape[1] != self.ckpt.hidden_size:
+            raise RequestError(f"hidden must be [T, {self.ckpt.hidden_size}], got {list(hidden.shape)}")
+        for name, t, dtype in (
+            ("pair_rows", pair_rows, torch.int32),
+            ("pair_experts", pair_experts, torch.int32),
+            ("pair_weights", pair_weights, torch.float32),
+        ):
+            if t.dtype != dtype or t.dim() != 1:
+                raise RequestError(f"{name} must be a 1-D {dtype} tensor, got {t.dtype} {list(t.shape)}")
+        num_pairs = pair_rows.shape[0]
+        if pair_experts.shape[0] != num_pairs or pair_weights.shape[0] != num_pairs:
+            raise RequestError(
+                f"pair tensors differ in length: rows {num_pairs}, experts {pair_experts.shape[0]}, "
+                f"weights {pair_weights.shape[0]}"
+            )
+        rows, experts = pair_rows.long(), pair_experts.long()
+        if num_pairs:
+            if rows.min() < 0 or rows.max() >= hidden.shape[0]:
+                raise RequestError(f"pair_rows must lie in [0, {hidden.shape[0]}), got [{rows.min()}, {rows.max()}]")
+            if experts.min() < self.start or experts.max() >= self.end:
+                raise RequestError(
+                    f"expert ids [{experts.min()}, {experts.max()}] are outside this worker's [{self.start}, {self.end})"
+                )
+            if torch.unique(rows * self.ckpt.num_experts + experts).numel() != num_pairs:
+                raise RequestError("a (row, expert) pair appears more than once")
+        return ExpertBatch(
+            layer=layer,
+            hidden=hidden.to(self.device),
+            pair_rows=rows.to(self.device),
+            pair_experts=(experts - self.start).to(self.device),
+            pair_weights=pair_weights.to(self.device),
+        )
+
+    def forward(self, batch: ExpertBatch) -> torch.Tensor:
+        """[T, H] float32 partial: router-weighted sum of this worker's experts per row."""
+        return moe_experts_reference(
+            batch.hidden,
+            batch.pair_rows,
+            batch.pair_experts,
+            batch.pair_weights,
+            self.shard[batch.layer],
+            self.ckpt.activation,
+        ).cpu()
