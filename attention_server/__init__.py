@@ -1,0 +1,1 @@
+"""Pool A: vLLM with routed experts served by remote expert workers."""

@@ -1,0 +1,64 @@
+"""python -m attention_server --model DIR --expert-endpoints h:p,h:p,... [vLLM serve flags]
+
+Checks every expert worker against the model, then runs vLLM's OpenAI server
+in this process with the hetero-moe plugin on. Without --expert-endpoints the
+plugin stays off and this is stock vLLM.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from attention_server.config import DEFAULT_REQUEST_TIMEOUT_S, AttentionConfig
+from attention_server.handshake import WorkerMismatchError, check_workers
+from protos.checkpoint import CheckpointError, read_checkpoint
+
+logger = logging.getLogger("attention_server")
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="python -m attention_server", description=__doc__, add_help=False)
+    p.add_argument("--model", required=True, help="HF-format MoE checkpoint directory")
+    p.add_argument("--expert-endpoints", default="", help="HOST:PORT of worker 0, worker 1, ... (comma-separated)")
+    p.add_argument("--expert-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, help="seconds per Forward RPC")
+    p.add_argument("--worker-ready-timeout", type=float, default=120.0, help="seconds to wait for each worker at start")
+    ours, vllm_args = p.parse_known_args(argv)
+    return ours, ["--model", ours.model, *vllm_args]
+
+
+def serve_vllm(vllm_argv: list[str]) -> None:
+    """vLLM's own `serve` entry, in this process."""
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    parser = make_arg_parser(FlexibleArgumentParser(prog="python -m attention_server"))
+    args = parser.parse_args(vllm_argv)
+    configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    uvloop.run(run_server(args))
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ours, vllm_argv = parse_args(sys.argv[1:] if argv is None else argv)
+    if ours.expert_endpoints:
+        try:
+            cfg = AttentionConfig.from_flags(ours.expert_endpoints, ours.expert_timeout)
+            ckpt = read_checkpoint(ours.model)
+            check_workers(cfg.expert_endpoints, ckpt, ours.worker_ready_timeout)
+        except (ValueError, CheckpointError, WorkerMismatchError) as err:
+            logger.error("refusing to start: %s", err)
+            raise SystemExit(2) from None
+        cfg.publish()
+        logger.info("%d expert workers match %s; starting vLLM", len(cfg.expert_endpoints), ours.model)
+    serve_vllm(vllm_argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The attention server's configuration; the one module that reads environment variables.
+
+`python -m attention_server` publishes its flags as environment variables so
+that every vLLM process (API server, engine core, workers) sees the same
+configuration when vLLM runs this project's plugin in it. With
+HETERO_MOE_EXPERT_ENDPOINTS unset the plugin is off and vLLM runs as stock.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+ENDPOINTS_ENV = "HETERO_MOE_EXPERT_ENDPOINTS"
+TIMEOUT_ENV = "HETERO_MOE_REQUEST_TIMEOUT_S"
+DEFAULT_REQUEST_TIMEOUT_S = 60.0
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expert endpoint {text!r} is not HOST:PORT")
+    return host, int(port)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    """expert_endpoints[i] serves worker i of the contiguous placement."""
+
+    expert_endpoints: tuple[str, ...]
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not self.expert_endpoints:
+            raise ValueError("at least one expert endpoint is needed")
+        for endpoint in self.expert_endpoints:
+            parse_endpoint(endpoint)
+        if len(set(self.expert_endpoints)) != len(self.expert_endpoints):
+            raise ValueError(f"expert endpoints repeat: {list(self.expert_endpoints)}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request timeout must be > 0 s, got {self.request_timeout_s}")
+
+    @classmethod
+    def from_flags(cls, endpoints: str, request_timeout_s: float) -> AttentionConfig:
+        return cls(tuple(e.strip() for e in endpoints.split(",") if e.strip()), request_timeout_s)
+
+    @classmethod
+    def from_env(cls) -> AttentionConfig | None:
+        """The configuration published by the launcher, or None when the plugin is off."""
+        endpoints = os.environ.get(ENDPOINTS_ENV, "")
+        if not endpoints:
+            return None
+        return cls.from_flags(endpoints, float(os.environ.get(TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT_S)))
+
+    def publish(self) -> None:
+        """Export to the environment inherited by vLLM's processes."""
+        os.environ[ENDPOINTS_ENV] = ",".join(self.expert_endpoints)
+        os.environ[TIMEOUT_ENV] = repr(self.request_timeout_s)

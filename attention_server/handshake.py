@@ -1,0 +1,70 @@
+"""Start-up check: every worker must hold the model and shard this server expects."""
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from protos import PROTOCOL_VERSION, GRPC_OPTIONS, codec
+from protos import expert_pb2 as pb
+from protos import expert_pb2_grpc as pb_grpc
+from protos.checkpoint import MoeCheckpoint
+from protos.placement import Placement
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerMismatchError(RuntimeError):
+    """A worker is unreachable or holds something other than what the placement needs."""
+
+
+def expected_differences(info: pb.InfoResponse, ckpt: MoeCheckpoint, worker: int, num_workers: int) -> list[str]:
+    """Human-readable differences between a worker's Info and what worker `worker` must hold."""
+    start, end = Placement(ckpt.num_experts, num_workers).expert_range(worker)
+    held = [(r.start, r.end) for r in info.expert_ranges]
+    checks = [
+        ("protocol version", info.protocol_version, PROTOCOL_VERSION),
+        ("model fingerprint", info.model_fingerprint, ckpt.fingerprint),
+        ("model type", info.model_type, ckpt.model_type),
+        ("MoE layers", list(info.moe_layers), list(ckpt.moe_layers)),
+        ("number of experts", info.num_experts, ckpt.num_experts),
+        ("hidden size", info.hidden_size, ckpt.hidden_size),
+        ("worker index", info.worker_index, worker),
+        ("number of workers", info.num_workers, num_workers),
+        ("expert ranges", held, [(start, end)]),
+        ("activation", info.activation, ckpt.activation),
+    ]
+    diffs = [f"{what}: worker has {got}, expected {want}" for what, got, want in checks if got != want]
+    if info.activation_dtype != codec.wire_dtype(ckpt.dtype):
+        diffs.append(f"activation dtype: worker has {pb.DType.Name(info.activation_dtype)}, expected {ckpt.dtype}")
+    return diffs
+
+
+def check_workers(endpoints: tuple[str, ...], ckpt: MoeCheckpoint, ready_timeout_s: float) -> list[pb.InfoResponse]:
+    """Wait for each worker, then compare its Info; raise WorkerMismatchError naming every difference."""
+    infos, problems = [], []
+    for worker, endpoint in enumerate(endpoints):
+        with grpc.insecure_channel(endpoint, options=GRPC_OPTIONS) as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=ready_timeout_s)
+                info = pb_grpc.ExpertServiceStub(channel).Info(pb.InfoRequest(), timeout=ready_timeout_s)
+            except grpc.FutureTimeoutError:
+                problems.append(f"worker {worker} at {endpoint}: not reachable within {ready_timeout_s:.0f} s")
+                continue
+            except grpc.RpcError as err:
+                problems.append(f"worker {worker} at {endpoint}: Info failed: {err.code().name}: {err.details()}")
+                continue
+        diffs = expected_differences(info, ckpt, worker, len(endpoints))
+        problems += [f"worker {worker} at {endpoint}: {d}" for d in diffs]
+        infos.append(info)
+        if not diffs:
+            logger.info(
+                "worker %d at %s holds experts %s (kernel backend %s)",
+                worker, endpoint, [(r.start, r.end) for r in info.expert_ranges], info.kernel_backend,
+            )
+    if problems:
+        raise WorkerMismatchError(
+            f"expert workers do not match model {ckpt.path} (fingerprint {ckpt.fingerprint}):\n  "
+            + "\n  ".join(problems)
+        )
+    return infos

@@ -1,0 +1,189 @@
+"""vLLM's routed experts, served by remote expert workers.
+
+One MoE layer, for a micro-batch of T tokens (H hidden, k experts per token):
+
+    [vLLM router] topk_ids, topk_weights [T, k]
+         │
+         ▼
+    partition ──▶ DispatchPlan: per worker, unique rows [T_w] + (row, expert, weight) pairs
+         │
+         ▼
+    dispatch ───▶ Forward RPC to each worker with pairs (none to idle ones) ──▶ Pending
+         │                                                    │  workers: W4A16/bf16 experts,
+    shared experts run here meanwhile (Qwen2-MoE)             │  float32 sum over their experts
+         │                                                    ▼
+    Pending.wait() ◀──────────────────────────── [T_w, H] float32 partials
+         │
+         ▼
+    combine ────▶ float64 sum in worker order ──▶ [T, H] model dtype ──▶ vLLM adds shared output
+
+Dispatch and combine are two opaque custom ops so that vLLM's compiled
+(Dynamo, fullgraph) forward can contain a network call; the dispatch op
+returns an empty token tensor that the combine op consumes, which keeps them
+ordered. Pool A never allocates or reads routed-expert weights: the layer's
+quant method creates no parameters and the loader skips their tensors.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable
+
+import torch
+from vllm.model_executor.custom_op import op_registry_oot
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExperts, SharedExpertsOrder
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.model_loader import register_model_loader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.utils.torch_utils import direct_register_custom_op
+
+from attention_server.combine import combine
+from attention_server.config import AttentionConfig
+from attention_server.dispatch import ExpertClient, Pending, dispatch
+from attention_server.partition import partition
+from protos.placement import Placement
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedMoEError(ValueError):
+    """A MoE layer feature that remote experts do not implement."""
+
+
+class ExpertPool:
+    """This process's connections to the expert workers and the placement over them."""
+
+    def __init__(self, cfg: AttentionConfig, num_experts: int):
+        self.placement = Placement(num_experts, len(cfg.expert_endpoints))
+        self.owners = self.placement.owner_table()  # [E] worker per expert
+        self.clients = [
+            ExpertClient(worker, endpoint, cfg.request_timeout_s) for worker, endpoint in enumerate(cfg.expert_endpoints)
+        ]
+
+
+@functools.cache
+def expert_pool(num_experts: int) -> ExpertPool:
+    cfg = AttentionConfig.from_env()
+    assert cfg is not None, "remote experts built while the plugin is off"
+    return ExpertPool(cfg, num_experts)
+
+
+class RemoteExpertsMethod(FusedMoEMethodBase):
+    """A MoE 'quant method' that holds no weights: the experts live on the workers."""
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **kw):
+        pass
+
+    def get_fused_moe_quant_config(self, layer) -> FusedMoEQuantConfig | None:
+        return None
+
+    @property
+    def mk_can_overlap_shared_experts(self) -> bool:
+        # Shared experts run inside forward_modular, between dispatch and combine.
+        return True
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        raise AssertionError("RemoteRoutedExperts.forward_modular does not call apply()")
+
+
+class RemoteRoutedExperts(RoutedExperts):
+    """Out-of-tree replacement of vLLM's RoutedExperts for every MoE model it builds."""
+
+    def __init__(self, layer_name: str, *args, **kwargs):
+        super().__init__(layer_name, *args, **kwargs)
+        unsupported = {
+            "apply_router_weight_on_input": self.apply_router_weight_on_input,
+            "swiglu_limit": self.swiglu_limit is not None,
+            "swiglu_alpha": self.swiglu_alpha is not None,
+            "expert parallelism inside vLLM": self.use_ep,
+            "non-gated activation": not self.moe_config.is_act_and_mul,
+        }
+        if reasons := [name for name, present in unsupported.items() if present]:
+            raise UnsupportedMoEError(f"{layer_name}: remote experts do not support {', '.join(reasons)}")
+        self.layer_index = extract_layer_index(layer_name)
+        self.pool = expert_pool(self.global_num_experts)
+        self.pending: Pending | None = None
+        _LAYERS[layer_name] = self
+
+    def _get_quant_method(
+        self, prefix: str, quant_config: QuantizationConfig | None, moe_config: FusedMoEConfig
+    ) -> FusedMoEMethodBase:
+        return RemoteExpertsMethod(moe_config)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[str]:
+        # The loader already skipped the expert weight tensors; this drops the
+        # small ones it lets through (scales, zero points) unread by any layer.
+        for _ in weights:
+            pass
+        yield from ()
+
+    def forward_modular(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: SharedExperts | None = None,
+        shared_experts_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: [T, H]; topk_weights, topk_ids: [T, k]. Returns the routed output [T, H]."""
+        token = torch.ops.hetero_moe.dispatch(x, topk_weights, topk_ids, self.layer_name)
+        if shared_experts is not None:
+            shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
+        return torch.ops.hetero_moe.combine(token, x, self.layer_name)
+
+    def send(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        assert self.pending is None, f"{self.layer_name}: dispatch without combine"
+        plan = partition(topk_ids, topk_weights, self.pool.owners)
+        self.pending = dispatch(self.pool.clients, self.layer_index, x, plan)
+
+    def receive(self, x: torch.Tensor) -> torch.Tensor:
+        pending, self.pending = self.pending, None
+        assert pending is not None, f"{self.layer_name}: combine without dispatch"
+        return combine(pending.plan, pending.wait(), x.shape[1], x.dtype).to(x.device)
+
+
+_LAYERS: dict[str, RemoteRoutedExperts] = {}
+
+
+def _dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_name: str) -> torch.Tensor:
+    _LAYERS[layer_name].send(x, topk_weights, topk_ids)
+    return x.new_empty(0)
+
+
+def _dispatch_fake(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return x.new_empty(0)
+
+
+def _combine(token: torch.Tensor, x: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return _LAYERS[layer_name].receive(x)
+
+
+def _combine_fake(token: torch.Tensor, x: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class ColdExpertSkippingLoader(DefaultModelLoader):
+    """vLLM's default loader, skipping every routed-expert weight before it is read."""
+
+    def _init_ep_weight_filter(self, model_config) -> None:
+        # The same filter vLLM uses for expert parallelism, with no local experts.
+        self.local_expert_ids = set()
+
+
+_LIBRARY = torch.library.Library("hetero_moe", "DEF")
+
+
+def install() -> None:
+    """Make vLLM build RemoteRoutedExperts and skip expert weights. Idempotent."""
+    if op_registry_oot.get(RoutedExperts.__name__) is RemoteRoutedExperts:
+        return
+    direct_register_custom_op("dispatch", _dispatch, fake_impl=_dispatch_fake, target_lib=_LIBRARY)
+    direct_register_custom_op("combine", _combine, fake_impl=_combine_fake, target_lib=_LIBRARY)
+    RoutedExperts.register_oot(RemoteRoutedExperts)
+    for load_format in ("auto", "hf", "safetensors"):
+        register_model_loader(load_format)(ColdExpertSkippingLoader)
+    logger.info("hetero-moe: routed experts are served by remote workers")
