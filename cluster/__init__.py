@@ -1,0 +1,1 @@
+"""Run a whole hetero-moe cluster on one machine: W expert workers and the attention server."""

@@ -1,0 +1,111 @@
+"""python -m cluster up|down — a whole cluster on this machine.
+
+  up    start W expert workers and the attention server on the default model
+        (made locally on first use) or --model DIR; print the endpoint; Ctrl-C
+        stops everything. --detach returns once it serves; `down` stops it.
+  down  stop a cluster started with --detach.
+
+Arguments after `--` go to vLLM (e.g. -- --enforce-eager).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from cluster.launcher import Cluster, ClusterSpec, stop_detached
+
+logger = logging.getLogger("cluster")
+
+# Small CPU defaults so the embedded model starts quickly on a laptop.
+CPU_VLLM_ARGS = ("--dtype", "bfloat16", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 30))
+
+
+def default_run_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hetero-moe" / "run"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start a cluster")
+    up.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: the embedded tiny Qwen3-MoE)")
+    up.add_argument("--workers", type=int, default=8)
+    up.add_argument("--worker-base-port", type=int, default=50100, help="worker i listens on base + i")
+    up.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker")
+    up.add_argument("--ready-timeout", type=float, default=900.0)
+    up.add_argument("--detach", action="store_true", help="return once serving; stop with `down`")
+    up.add_argument("--run-dir", type=Path, default=default_run_dir(), help="logs and the detached cluster's state")
+    up.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: flags for vLLM")
+    down = sub.add_parser("down", help="stop a detached cluster")
+    down.add_argument("--run-dir", type=Path, default=default_run_dir())
+    return p.parse_args(argv)
+
+
+def up(a: argparse.Namespace) -> int:
+    if a.model is None:
+        import tiny_models
+
+        a.model = tiny_models.make("qwen3_moe", tiny_models.default_model_dir())
+    vllm_args = [x for x in a.vllm_args if x != "--"] or list(CPU_VLLM_ARGS)
+    spec = ClusterSpec(
+        model=a.model.resolve(),
+        num_workers=a.workers,
+        worker_base_port=a.worker_base_port,
+        http_port=a.port,
+        host=a.host,
+        run_dir=a.run_dir,
+        worker_threads=a.worker_threads,
+        vllm_args=tuple(vllm_args),
+    )
+    if (spec.run_dir / "cluster.json").exists():
+        print(f"a detached cluster is recorded in {spec.run_dir}; run `python -m cluster down` first", file=sys.stderr)
+        return 1
+    cluster = Cluster(spec)
+    # Ctrl-C and SIGTERM both end in the finally below (also when started
+    # from a shell that ignores SIGINT for background jobs).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        cluster.start(attention_to_terminal=not a.detach)
+        print(f"starting {spec.num_workers} workers and the attention server; logs in {spec.run_dir}", flush=True)
+        cluster.wait_ready(a.ready_timeout)
+        print(f"\nhetero-moe serves {spec.model} at {spec.base_url}/v1 (model name: {spec.model})", flush=True)
+        if a.detach:
+            print("stop it with: make down   (python -m cluster down)", flush=True)
+            cluster.procs.clear()  # leave them running
+            return 0
+        print("Ctrl-C to stop.", flush=True)
+        while not (dead := cluster.exited()):
+            time.sleep(1.0)
+        print(f"stopping: exited unexpectedly: {dead}; logs in {spec.run_dir}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError) as err:
+        print(f"cluster failed to start: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if cluster.procs:
+            cluster.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    if a.command == "up":
+        return up(a)
+    if not stop_detached(a.run_dir):
+        print(f"no detached cluster recorded in {a.run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

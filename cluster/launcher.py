@@ -1,0 +1,158 @@
+"""Start, watch and stop the processes of a one-machine cluster.
+
+Every child runs in its own session so that stopping it (SIGTERM, then
+SIGKILL after a grace period) reaches everything it started, e.g. vLLM's
+engine-core and worker processes, and a Ctrl-C in the terminal reaches only
+the launcher, which stops the children in order.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 20.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    model: Path
+    num_workers: int
+    worker_base_port: int
+    http_port: int
+    host: str
+    run_dir: Path
+    worker_threads: int
+    vllm_args: tuple[str, ...] = ()
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [f"{self.host}:{self.worker_base_port + i}" for i in range(self.num_workers)]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    def worker_command(self, index: int) -> list[str]:
+        return [
+            sys.executable, "-m", "expert_server",
+            "--model", str(self.model),
+            "--worker-index", str(index),
+            "--num-workers", str(self.num_workers),
+            "--host", self.host,
+            "--port", str(self.worker_base_port + index),
+            "--num-threads", str(self.worker_threads),
+        ]  # fmt: skip
+
+    def attention_command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "attention_server",
+            "--model", str(self.model),
+            "--expert-endpoints", ",".join(self.endpoints),
+            "--host", self.host,
+            "--port", str(self.http_port),
+            *self.vllm_args,
+        ]  # fmt: skip
+
+
+@dataclass(slots=True)
+class Cluster:
+    spec: ClusterSpec
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def state_file(self) -> Path:
+        return self.spec.run_dir / "cluster.json"
+
+    def _spawn(self, name: str, cmd: list[str], log_to_terminal: bool) -> None:
+        log = None if log_to_terminal else open(self.spec.run_dir / f"{name}.log", "wb")  # noqa: SIM115
+        self.procs[name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT if log else None, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        if log:
+            log.close()  # the child holds its own descriptor
+
+    def start(self, attention_to_terminal: bool) -> None:
+        self.spec.run_dir.mkdir(parents=True, exist_ok=True)
+        for i in range(self.spec.num_workers):
+            self._spawn(f"worker-{i}", self.spec.worker_command(i), log_to_terminal=False)
+        self._spawn("attention", self.spec.attention_command(), log_to_terminal=attention_to_terminal)
+        self.state_file.write_text(json.dumps({n: p.pid for n, p in self.procs.items()}))
+
+    def exited(self) -> dict[str, int]:
+        return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until /health answers 200; raise if a child exits or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if dead := self.exited():
+                raise RuntimeError(f"exited before the cluster was ready: {dead}; logs in {self.spec.run_dir}")
+            try:
+                with urllib.request.urlopen(f"{self.spec.base_url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"cluster not ready after {timeout_s:.0f} s; logs in {self.spec.run_dir}")
+
+    def stop(self) -> None:
+        """Attention server first (it holds connections to the workers), then workers."""
+        order = ["attention", *sorted(n for n in self.procs if n != "attention")]
+        stop_pids({n: self.procs[n].pid for n in order if n in self.procs}, reap=self.exited)
+        for p in self.procs.values():
+            p.wait()
+        self.state_file.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_pids(pids: dict[str, int], reap=lambda: None) -> None:
+    """SIGTERM each process group, then SIGKILL whatever outlives the grace period.
+
+    `reap` collects exited children of this process: a zombie leader would
+    otherwise keep its group looking alive.
+    """
+    for name, pid in pids.items():
+        if _alive(pid):
+            logger.info("stopping %s (pid %d)", name, pid)
+            os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline:
+        reap()
+        if not any(_alive(pid) for pid in pids.values()):
+            break
+        time.sleep(0.2)
+    for name, pid in pids.items():
+        if _alive(pid):
+            logger.warning("%s (pid %d) ignored SIGTERM for %.0f s; killing it", name, pid, STOP_GRACE_S)
+            os.killpg(pid, signal.SIGKILL)
+
+
+def stop_detached(run_dir: Path) -> bool:
+    """Stop a cluster started with --detach; False when none is recorded there."""
+    state = run_dir / "cluster.json"
+    if not state.exists():
+        return False
+    stop_pids(json.loads(state.read_text()))
+    state.unlink()
+    return True
