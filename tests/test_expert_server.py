@@ -1,0 +1,133 @@
+"""Real expert_server processes: Info, numerics against HF transformers, refusals, health, reflection."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from transformers import AutoModelForCausalLM
+
+from conftest import start_workers
+from protos import PROTOCOL_VERSION, GRPC_OPTIONS, codec
+from protos import expert_pb2 as pb
+from protos import expert_pb2_grpc as pb_grpc
+from protos.checkpoint import read_checkpoint
+from protos.placement import Placement
+
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]
+NUM_WORKERS = 2
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def served(request, model_dir, processes):
+    """(arch, checkpoint, endpoints, stubs) with two real workers."""
+    arch = request.param
+    model = model_dir(arch)
+    workers = start_workers(processes, model, NUM_WORKERS, tag=f"es-{arch}")
+    channels = [grpc.insecure_channel(e, options=GRPC_OPTIONS) for e in workers.endpoints]
+    yield arch, read_checkpoint(model), workers.endpoints, [pb_grpc.ExpertServiceStub(c) for c in channels]
+    for c in channels:
+        c.close()
+
+
+def request_for(layer: int, hidden: torch.Tensor, rows, experts, weights) -> pb.ForwardRequest:
+    return pb.ForwardRequest(
+        layer=layer,
+        hidden=codec.encode(hidden),
+        pair_rows=codec.encode(torch.as_tensor(rows, dtype=torch.int32)),
+        pair_experts=codec.encode(torch.as_tensor(experts, dtype=torch.int32)),
+        pair_weights=codec.encode(torch.as_tensor(weights, dtype=torch.float32)),
+    )
+
+
+def test_info_describes_the_shard(served):
+    arch, ckpt, _, stubs = served
+    for worker, stub in enumerate(stubs):
+        info = stub.Info(pb.InfoRequest(), timeout=10)
+        start, end = Placement(ckpt.num_experts, NUM_WORKERS).expert_range(worker)
+        assert info.protocol_version == PROTOCOL_VERSION
+        assert info.model_fingerprint == ckpt.fingerprint and info.model_type == arch
+        assert list(info.moe_layers) == list(ckpt.moe_layers)
+        assert (info.worker_index, info.num_workers) == (worker, NUM_WORKERS)
+        assert [(r.start, r.end) for r in info.expert_ranges] == [(start, end)]
+        assert info.kernel_backend == "reference" and info.activation == "silu"
+
+
+def test_partials_match_hf_transformers_experts(served):
+    """Each worker's partial equals HF's experts module restricted to that worker's experts."""
+    _, ckpt, _, stubs = served
+    hf = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    num_tokens = 9
+    x = torch.randn(num_tokens, ckpt.hidden_size, generator=g).to(torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(num_tokens, ckpt.num_experts, generator=g), -1).topk(ckpt.top_k, dim=-1)
+    placement = Placement(ckpt.num_experts, NUM_WORKERS)
+    for layer in ckpt.moe_layers:
+        hf_experts = hf.model.layers[layer].mlp.experts
+        for worker, stub in enumerate(stubs):
+            start, end = placement.expert_range(worker)
+            mine = (ids >= start) & (ids < end)
+            rows, ks = mine.nonzero(as_tuple=True)
+            response = stub.Forward(request_for(layer, x, rows, ids[rows, ks], weights[rows, ks]), timeout=30)
+            partial = codec.decode(response.partial)
+            # Zero router weight on other workers' experts: HF then sums exactly this worker's share.
+            with torch.no_grad():
+                expected = hf_experts(x.float(), ids, torch.where(mine, weights, 0.0))
+            torch.testing.assert_close(partial, expected, rtol=1e-5, atol=1e-5)
+
+
+def assert_invalid(stub, request: pb.ForwardRequest, match: str) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Forward(request, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert match in err.value.details(), err.value.details()
+
+
+def test_bad_requests_are_refused_and_the_worker_keeps_serving(served):
+    _, ckpt, _, stubs = served
+    stub, layer, h = stubs[1], ckpt.moe_layers[0], ckpt.hidden_size
+    start, end = Placement(ckpt.num_experts, NUM_WORKERS).expert_range(1)
+    x = torch.randn(3, h, dtype=torch.bfloat16)
+    good = request_for(layer, x, [0, 1, 2], [start, start, end - 1], [0.5, 0.5, 1.0])
+
+    assert_invalid(stub, request_for(layer, torch.randn(3, h + 1, dtype=torch.bfloat16), [0], [start], [1.0]), f"[T, {h}]")
+    assert_invalid(stub, request_for(layer, x.to(torch.int64), [0], [start], [1.0]), "hidden dtype")
+    assert_invalid(stub, request_for(ckpt.num_hidden_layers + 5, x, [0], [start], [1.0]), "not a MoE layer")
+    assert_invalid(stub, request_for(layer, x, [0], [0 if start else end], [1.0]), "outside this worker's")
+    assert_invalid(stub, request_for(layer, x, [0, 3], [start, start], [1.0, 1.0]), "pair_rows must lie in")
+    assert_invalid(stub, request_for(layer, x, [0, 0], [start, start], [1.0, 1.0]), "more than once")
+    assert_invalid(stub, request_for(layer, x, [0, 1], [start], [1.0, 1.0]), "differ in length")
+    bad_weights = request_for(layer, x, [0], [start], [1.0])
+    bad_weights.pair_weights.CopyFrom(codec.encode(torch.ones(1, dtype=torch.float64)))
+    assert_invalid(stub, bad_weights, "pair_weights must be a 1-D torch.float32")
+    truncated = request_for(layer, x, [0], [start], [1.0])
+    truncated.hidden.data = truncated.hidden.data[:-2]
+    assert_invalid(stub, truncated, "needs")
+    garbage = pb.ForwardRequest(layer=layer)  # every tensor missing
+    assert_invalid(stub, garbage, "unknown wire dtype")
+
+    first = codec.decode(stub.Forward(good, timeout=10).partial)
+    again = codec.decode(stub.Forward(good, timeout=10).partial)
+    assert first.shape == (3, h) and torch.isfinite(first).all() and torch.equal(first, again)
+
+
+def test_garbage_activations_like_vllm_profiling_are_accepted(served):
+    _, ckpt, _, stubs = served
+    start, _ = Placement(ckpt.num_experts, NUM_WORKERS).expert_range(0)
+    x = torch.full((2048, ckpt.hidden_size), float("nan"), dtype=torch.bfloat16)
+    rows = torch.arange(2048)
+    response = stubs[0].Forward(request_for(ckpt.moe_layers[-1], x, rows, [start] * 2048, [1.0] * 2048), timeout=60)
+    assert codec.decode(response.partial).shape == (2048, ckpt.hidden_size)
+
+
+def test_health_and_reflection(served):
+    _, _, endpoints, _ = served
+    with grpc.insecure_channel(endpoints[0]) as channel:
+        for service in ("", "hetero_moe.expert.v1.ExpertService"):
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        (answer,) = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        names = {s.name for s in answer.list_services_response.service}
+        assert {"hetero_moe.expert.v1.ExpertService", "grpc.health.v1.Health"} <= names
