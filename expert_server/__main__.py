@@ -15,6 +15,7 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from expert_server import metrics
 from expert_server.config import WorkerConfig
 from expert_server.experts import LocalExperts
 from expert_server.servicer import ExpertServicer
@@ -33,6 +34,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertService"].full_name
 async def serve(cfg: WorkerConfig) -> None:
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
+    if cfg.metrics_port is not None:
+        metrics.serve_metrics(cfg.host, cfg.metrics_port)
+    metrics.UP.set(0)
     ckpt = read_checkpoint(cfg.model)
     start, end = Placement(ckpt.num_experts, cfg.num_workers).expert_range(cfg.worker_index)
     experts = LocalExperts(ckpt, start, end, load_shard(ckpt, start, end, torch.device(cfg.device)))
@@ -51,6 +55,7 @@ async def serve(cfg: WorkerConfig) -> None:
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    metrics.UP.set(1)
     logger.info(
         "worker %d/%d serving experts [%d, %d) of %s on %s:%d",
         cfg.worker_index, cfg.num_workers, start, end, ckpt.model_type, cfg.host, port,
@@ -62,6 +67,7 @@ async def serve(cfg: WorkerConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     logger.info("worker %d stopping", cfg.worker_index)
+    metrics.UP.set(0)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2.0)
     servicer.close()

@@ -15,6 +15,7 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    metrics_port: int | None = None  # Prometheus /metrics; None serves none
 
     def __post_init__(self) -> None:
         if not self.model.is_dir():
@@ -25,6 +26,8 @@ class WorkerConfig:
             raise ValueError(f"--worker-index {self.worker_index} is outside [0, {self.num_workers})")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port {self.port} is not a TCP port")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port {self.metrics_port} is not a TCP port")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
 
@@ -38,6 +41,7 @@ class WorkerConfig:
         p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
         p.add_argument("--device", default="cpu", help="torch device for the experts")
         p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+        p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
         a = p.parse_args(argv)
         return cls(
             model=a.model,
@@ -47,4 +51,5 @@ class WorkerConfig:
             host=a.host,
             device=a.device,
             num_threads=a.num_threads,
+            metrics_port=a.metrics_port,
         )

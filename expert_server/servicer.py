@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from expert_server import metrics
 from expert_server.experts import LocalExperts, RequestError
 from protos import PROTOCOL_VERSION, codec
 from protos import expert_pb2 as pb
@@ -53,6 +55,9 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         return self.info
 
     async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
+        start = time.perf_counter()
+        metrics.BYTES_RECEIVED.inc(sum(len(t.data) for t in (request.hidden, request.pair_rows,
+                                                              request.pair_experts, request.pair_weights)))
         try:
             batch = self.experts.make_batch(
                 request.layer,
@@ -64,10 +69,16 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             partial = await asyncio.get_running_loop().run_in_executor(self._compute, self.experts.forward, batch)
         except Exception as exc:  # mapped to a status; the worker keeps serving
             code = status_for(exc)
+            metrics.REQUESTS.labels(code.name).inc()
             if code == grpc.StatusCode.INTERNAL:
                 logger.exception("Forward failed on layer %d", request.layer)
             await context.abort(code, f"{type(exc).__name__}: {exc}")
-        return pb.ForwardResponse(partial=codec.encode(partial))
+        response = pb.ForwardResponse(partial=codec.encode(partial))
+        metrics.BYTES_SENT.inc(len(response.partial.data))
+        metrics.ROWS.inc(partial.shape[0])
+        metrics.REQUESTS.labels(grpc.StatusCode.OK.name).inc()
+        metrics.FORWARD_SECONDS.observe(time.perf_counter() - start)
+        return response
 
     def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)

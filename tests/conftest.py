@@ -74,6 +74,7 @@ class Processes:
 class Workers:
     endpoints: list[str]
     procs: Processes
+    metrics_urls: list[str]
 
 
 def wait_serving(endpoint: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
@@ -91,19 +92,20 @@ def wait_serving(endpoint: str, proc: subprocess.Popen, timeout_s: float = 120.0
 
 
 def start_workers(procs: Processes, model: Path, num_workers: int, tag: str) -> Workers:
-    """Real expert_server processes on loopback, one per worker index."""
-    ports = free_ports(num_workers)
+    """Real expert_server processes on loopback, one per worker index, each with /metrics."""
+    ports = free_ports(2 * num_workers)
+    ports, metrics_ports = ports[:num_workers], ports[num_workers:]
     spec = ClusterSpec(model=model, num_workers=num_workers, worker_base_port=0, http_port=0, host=HOST,
                        run_dir=procs.log_dir, worker_threads=1)  # fmt: skip
     endpoints = []
     for i, port in enumerate(ports):
         cmd = spec.worker_command(i)
         cmd[cmd.index("--port") + 1] = str(port)
-        procs.start(f"{tag}-worker-{i}", cmd)
+        procs.start(f"{tag}-worker-{i}", [*cmd, "--metrics-port", str(metrics_ports[i])])
         endpoints.append(f"{HOST}:{port}")
     for i, endpoint in enumerate(endpoints):
         wait_serving(endpoint, procs.procs[f"{tag}-worker-{i}"])
-    return Workers(endpoints, procs)
+    return Workers(endpoints, procs, [f"http://{HOST}:{p}/metrics" for p in metrics_ports])
 
 
 def wait_http_ready(base_url: str, proc: subprocess.Popen, log: str, timeout_s: float = 900.0) -> None:

@@ -1,9 +1,12 @@
 """Real expert_server processes: Info, numerics against HF transformers, refusals, health, reflection."""
 from __future__ import annotations
 
+import urllib.request
+
 import grpc
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM
@@ -26,7 +29,7 @@ def served(request, model_dir, processes):
     model = model_dir(arch)
     workers = start_workers(processes, model, NUM_WORKERS, tag=f"es-{arch}")
     channels = [grpc.insecure_channel(e, options=GRPC_OPTIONS) for e in workers.endpoints]
-    yield arch, read_checkpoint(model), workers.endpoints, [pb_grpc.ExpertServiceStub(c) for c in channels]
+    yield arch, read_checkpoint(model), workers, [pb_grpc.ExpertServiceStub(c) for c in channels]
     for c in channels:
         c.close()
 
@@ -111,6 +114,21 @@ def test_bad_requests_are_refused_and_the_worker_keeps_serving(served):
     again = codec.decode(stub.Forward(good, timeout=10).partial)
     assert first.shape == (3, h) and torch.isfinite(first).all() and torch.equal(first, again)
 
+    samples = scrape(served[2].metrics_urls[1])
+    assert samples[("hetero_moe_worker_requests_total", (("status", "INVALID_ARGUMENT"),))] >= 10
+    assert samples[("hetero_moe_worker_requests_total", (("status", "OK"),))] >= 2
+    assert samples[("hetero_moe_worker_up", ())] == 1
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
 
 def test_garbage_activations_like_vllm_profiling_are_accepted(served):
     _, ckpt, _, stubs = served
@@ -122,8 +140,8 @@ def test_garbage_activations_like_vllm_profiling_are_accepted(served):
 
 
 def test_health_and_reflection(served):
-    _, _, endpoints, _ = served
-    with grpc.insecure_channel(endpoints[0]) as channel:
+    _, _, workers, _ = served
+    with grpc.insecure_channel(workers.endpoints[0]) as channel:
         for service in ("", "hetero_moe.expert.v1.ExpertService"):
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert status.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,19 @@
+"""Prometheus metrics of one expert worker (names: hetero_moe_worker_<what>_<unit>)."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+REQUESTS = Counter("hetero_moe_worker_requests", "Forward RPCs by final gRPC status", ["status"])
+FORWARD_SECONDS = Histogram(
+    "hetero_moe_worker_forward_seconds",
+    "Forward RPC time in the worker: decode, expert compute and encode",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+)
+BYTES_RECEIVED = Counter("hetero_moe_worker_bytes_received", "Tensor payload bytes received in Forward requests")
+BYTES_SENT = Counter("hetero_moe_worker_bytes_sent", "Tensor payload bytes sent in Forward responses")
+ROWS = Counter("hetero_moe_worker_rows", "Token rows computed")
+UP = Gauge("hetero_moe_worker_up", "1 while the worker serves, 0 while it loads or drains")
+
+
+def serve_metrics(host: str, port: int) -> None:
+    start_http_server(port, addr=host)
