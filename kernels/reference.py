@@ -5,10 +5,13 @@ intermediate size, E experts held locally, P (row, expert) pairs.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.quant import W4A16ExpertWeights
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 
@@ -55,14 +58,49 @@ def moe_experts_reference(
     pair_weights: [P] float32 router weight
     returns       [T, H] float32: out[t] = sum_p w_p * down(act(gate x_t) * up x_t)
     """
+    return _moe_sum(
+        hidden, pair_rows, pair_experts, pair_weights, weights.hidden_size,
+        lambda e: (weights.w13[e].float(), weights.w2[e].float()), activation,
+    )
+
+
+def moe_experts_w4a16_reference(
+    hidden: torch.Tensor,
+    pair_rows: torch.Tensor,
+    pair_experts: torch.Tensor,
+    pair_weights: torch.Tensor,
+    weights: W4A16ExpertWeights,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """moe_experts_reference for int4 experts: dequantize each used expert, fp32 matmul.
+
+    Handles every scheme the loaders produce (asymmetric zeros, act-order g_idx).
+    Same arguments and result as moe_experts_reference.
+    """
+    return _moe_sum(
+        hidden, pair_rows, pair_experts, pair_weights, weights.hidden_size,
+        lambda e: (weights.w13.dequantize(e), weights.w2.dequantize(e)), activation,
+    )
+
+
+def _moe_sum(
+    hidden: torch.Tensor,
+    pair_rows: torch.Tensor,
+    pair_experts: torch.Tensor,
+    pair_weights: torch.Tensor,
+    hidden_size: int,
+    expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    activation: str,
+) -> torch.Tensor:
     act = ACTIVATIONS[activation]
     x = hidden.float()
-    out = torch.zeros(hidden.shape[0], weights.hidden_size, dtype=torch.float32, device=hidden.device)
+    out = torch.zeros(hidden.shape[0], hidden_size, dtype=torch.float32, device=hidden.device)
     for e in torch.unique(pair_experts).tolist():
         sel = pair_experts == e
         rows = pair_rows[sel]
-        gate_up = x[rows] @ weights.w13[e].float().t()  # [R, 2I]
+        w13, w2 = expert_weights(e)  # [2I, H], [H, I] float32
+        gate_up = x[rows] @ w13.t()  # [R, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
-        y = (act(gate) * up) @ weights.w2[e].float().t()  # [R, H]
+        y = (act(gate) * up) @ w2.t()  # [R, H]
         out.index_add_(0, rows, y * pair_weights[sel].float().unsqueeze(-1))
     return out
