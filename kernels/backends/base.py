@@ -1,0 +1,91 @@
+"""The contract every expert backend implements, and the answers the oracle reads.
+
+    backend.supports_device / supports_quant_scheme / supports_activation -> Support
+    backend.prepare(weights, activation, device) -> PreparedExperts   (repack once per layer)
+    prepared(hidden, pair_rows, pair_experts, pair_weights)  -> [T, H] float32
+
+`prepared(...)` computes exactly what kernels.reference.moe_experts_w4a16_reference does.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kernels.quant import QuantScheme, W4A16ExpertWeights
+
+ACTIVATIONS = ("silu", "gelu")
+
+
+@dataclass(frozen=True, slots=True)
+class Support:
+    """A backend's answer to one question; `reason` says why not (or what it will do)."""
+
+    ok: bool
+    reason: str = ""
+
+    @classmethod
+    def yes(cls, reason: str = "") -> Support:
+        return cls(True, reason)
+
+    @classmethod
+    def no(cls, reason: str) -> Support:
+        return cls(False, reason)
+
+
+class PreparedExperts(ABC):
+    """One layer's experts, repacked for a backend and resident on its device."""
+
+    @abstractmethod
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        pair_rows: torch.Tensor,
+        pair_experts: torch.Tensor,
+        pair_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """hidden [T, H] float, pair_rows/pair_experts [P] int, pair_weights [P] float -> [T, H] float32."""
+
+
+class ExpertBackend(ABC):
+    """One way to compute routed experts; `name` is what `--kernel-backend` and Info report."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def supports_device(self, device: torch.device) -> Support: ...
+
+    @abstractmethod
+    def supports_quant_scheme(self, scheme: QuantScheme) -> Support: ...
+
+    def supports_activation(self, activation: str) -> Support:
+        if activation in ACTIVATIONS:
+            return Support.yes()
+        return Support.no(f"activation {activation!r} is not one of {ACTIVATIONS}")
+
+    @abstractmethod
+    def prepare(
+        self, weights: W4A16ExpertWeights, activation: str, device: torch.device
+    ) -> PreparedExperts: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PairsByExpert:
+    """Pairs grouped by expert: expert e owns pairs order[bounds[e]:bounds[e+1]].
+
+    order:  [P] int32 pair indices, stable within an expert
+    bounds: [E+1] int32
+    """
+
+    order: torch.Tensor
+    bounds: torch.Tensor
+
+    @classmethod
+    def group(cls, pair_experts: torch.Tensor, num_experts: int) -> PairsByExpert:
+        """Device-side only: no host synchronisation."""
+        sorted_experts, order = torch.sort(pair_experts, stable=True)  # [P], [P]
+        experts = torch.arange(num_experts + 1, device=pair_experts.device, dtype=sorted_experts.dtype)
+        bounds = torch.searchsorted(sorted_experts, experts)  # [E+1]
+        return cls(order.to(torch.int32), bounds.to(torch.int32))

@@ -1,0 +1,32 @@
+"""The numerical oracle as a backend: any device, every scheme the loaders produce."""
+from __future__ import annotations
+
+import torch
+
+from kernels.backends.base import ExpertBackend, PreparedExperts, Support
+from kernels.quant import QuantScheme, W4A16ExpertWeights
+from kernels.reference import moe_experts_w4a16_reference
+
+
+class ReferenceBackend(ExpertBackend):
+    name = "reference"
+
+    def supports_device(self, device: torch.device) -> Support:
+        return Support.yes("plain PyTorch runs anywhere (dequantizes every used expert per call: slow)")
+
+    def supports_quant_scheme(self, scheme: QuantScheme) -> Support:
+        return Support.yes()
+
+    def prepare(self, weights: W4A16ExpertWeights, activation: str, device: torch.device) -> PreparedExperts:
+        return _Reference(weights.to(device), activation)
+
+
+class _Reference(PreparedExperts):
+    def __init__(self, weights: W4A16ExpertWeights, activation: str) -> None:
+        self.weights = weights
+        self.activation = activation
+
+    def __call__(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
+        return moe_experts_w4a16_reference(
+            hidden, pair_rows, pair_experts, pair_weights, self.weights, self.activation
+        )
