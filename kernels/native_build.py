@@ -1,0 +1,110 @@
+"""Builds kernels/csrc/w4a16_fdot2.cu into a shared library with hipcc (AMD) or nvcc (NVIDIA).
+
+A build records the GPU architectures it holds code for; `check_arch` refuses to run a build on
+a device whose architecture it lacks (an AMD code object for gfx1030 does not run on gfx1100,
+and the failure at launch is an opaque 'invalid device function').
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "w4a16_fdot2.cu"
+DEFAULT_CACHE = Path.home() / ".cache" / "hetero_moe" / "kernels"
+
+
+class KernelBuildError(RuntimeError):
+    """The compiler is missing or failed; the message holds its output."""
+
+
+class KernelArchMismatch(RuntimeError):
+    """A kernel build has no code for the device's architecture."""
+
+
+@dataclass(frozen=True, slots=True)
+class KernelBuild:
+    library: Path
+    platform: str  # "hip" or "cuda"
+    archs: tuple[str, ...]  # gfx1030 / sm_90 ...
+
+
+def device_platform() -> str:
+    return "hip" if torch.version.hip is not None else "cuda"
+
+
+def device_arch(device: torch.device) -> str:
+    """gfx1030 (AMD, features stripped) or sm_90 (NVIDIA)."""
+    props = torch.cuda.get_device_properties(device)
+    if torch.version.hip is not None:
+        return props.gcnArchName.split(":")[0]
+    return f"sm_{props.major}{props.minor}"
+
+
+def compiler(platform: str) -> str | None:
+    """Path of hipcc / nvcc, or None."""
+    if platform == "hip":
+        return shutil.which("hipcc") or _existing("/opt/rocm/bin/hipcc")
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return shutil.which("nvcc") or (_existing(f"{CUDA_HOME}/bin/nvcc") if CUDA_HOME else None)
+
+
+def _existing(path: str) -> str | None:
+    return path if Path(path).exists() else None
+
+
+def compile_command(platform: str, archs: tuple[str, ...], output: Path) -> list[str]:
+    tool = compiler(platform)
+    if tool is None:
+        raise KernelBuildError(f"no {'hipcc' if platform == 'hip' else 'nvcc'} found to build {SOURCE.name}")
+    common = ["-O3", "-std=c++17", "-shared", "-o", str(output), str(SOURCE)]
+    if platform == "hip":
+        # wave32: RDNA runs 32-lane waves natively; the kernel's warp reductions assume 32 lanes
+        return [tool, "-x", "hip", "-fPIC", "-mno-wavefrontsize64", *(f"--offload-arch={a}" for a in archs), *common]
+    gencode = [f"-gencode=arch=compute_{a[3:]},code={a}" for a in archs]
+    return [tool, "-Xcompiler", "-fPIC", *gencode, *common]
+
+
+def build(platform: str, archs: tuple[str, ...], cache_dir: Path = DEFAULT_CACHE) -> KernelBuild:
+    """Compiles (or reuses a cached build of) the fdot2 kernel for `archs`."""
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((platform, sorted(archs))).encode()).hexdigest()[:16]
+    library = cache_dir / f"w4a16_fdot2_{platform}_{'_'.join(sorted(archs))}_{key}.so"
+    if not library.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        partial = library.with_suffix(f".{os.getpid()}.tmp")
+        command = compile_command(platform, archs, partial)
+        logger.info("building %s: %s", SOURCE.name, " ".join(command))
+        env = {**os.environ, "HIP_PLATFORM": "amd"} if platform == "hip" else None
+        result = subprocess.run(command, capture_output=True, text=True, env=env)
+        if result.returncode != 0:
+            raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
+        partial.rename(library)  # atomic: concurrent workers never load a half-written library
+    return KernelBuild(library, platform, tuple(sorted(archs)))
+
+
+def check_arch(kernel: KernelBuild, device: torch.device) -> None:
+    """Raises KernelArchMismatch unless `kernel` holds code for `device`."""
+    arch = device_arch(device)
+    if arch not in kernel.archs:
+        fix = f"--offload-arch={arch}" if kernel.platform == "hip" else f"-gencode for {arch}"
+        raise KernelArchMismatch(
+            f"{kernel.library.name} was built for {', '.join(kernel.archs)} but {device} is {arch}: rebuild with {fix}"
+        )
+
+
+def load(kernel: KernelBuild) -> ctypes.CDLL:
+    """The library with `hm_fdot2_moe` typed (see the signature in the source)."""
+    lib = ctypes.CDLL(str(kernel.library))
+    lib.hm_fdot2_moe.restype = ctypes.c_int
+    lib.hm_fdot2_moe.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+    return lib

@@ -1,0 +1,81 @@
+"""GPU backends against the reference: Triton and the CUDA build of hip_fdot2 (marked `gpu`).
+
+Without a GPU these tests are skipped by the `cuda` fixture, never passed.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.backends.hip_fdot2 import HipFdot2Backend
+from kernels.backends.triton_moe import TritonBackend, TritonConfig, TritonExperts
+from kernels.oracle import choose_backend
+from kernels.reference import moe_experts_w4a16_reference
+
+pytestmark = pytest.mark.gpu
+
+# (hidden, intermediate, group): N and K not multiples of the tiles, three group sizes
+SHAPES = [(160, 96, 32), (192, 320, 64), (384, 256, 128)]
+TOKENS = [1, 3, 17]
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def _reference(p, x, activation="silu"):
+    return moe_experts_w4a16_reference(
+        x, p.pair_rows, p.pair_experts, p.pair_weights, p.weights.to(x.device), activation
+    )
+
+
+@pytest.mark.parametrize("hidden,inter,group", SHAPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("ptx", [True, False], ids=["ptx", "triton-dequant"])
+def test_triton_matches_reference(cuda, moe_problem, rel_error, hidden, inter, group, tokens, dtype, ptx):
+    p = moe_problem(experts=4, hidden=hidden, inter=inter, group=group, tokens_per_expert=tokens).to(cuda)
+    x = p.hidden.to(dtype)
+    experts = TritonExperts(p.weights, "silu", cuda, TritonConfig(ptx_dequant=ptx))
+    out = experts(x, p.pair_rows, p.pair_experts, p.pair_weights)
+    assert rel_error(out, _reference(p, x)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        TritonConfig(block_n_gate_up=128, block_n_down=256),  # wider than N: partial tiles everywhere
+        TritonConfig(block_m=64, block_n_gate_up=64, block_n_down=128, num_warps=8),
+        TritonConfig(block_m=32, num_stages=4),
+    ],
+)
+def test_triton_configs_and_gelu(cuda, moe_problem, rel_error, config):
+    p = moe_problem(experts=6, hidden=192, inter=192, group=64, tokens_per_expert=33).to(cuda)
+    x = p.hidden.to(torch.float16)
+    for activation in ("silu", "gelu"):
+        out = TritonExperts(p.weights, activation, cuda, config)(x, p.pair_rows, p.pair_experts, p.pair_weights)
+        assert rel_error(out, _reference(p, x, activation)) < 1e-2
+
+
+@pytest.mark.parametrize("hidden,inter,group", SHAPES + [(2304, 256, 128)])  # last: K split over 2 blocks
+@pytest.mark.parametrize("tokens", [1, 3, 5, 8, 17])  # staged 1, 2, 4, 8 rows at a time
+def test_hip_fdot2_cuda_build_matches_reference(cuda, moe_problem, rel_error, hidden, inter, group, tokens):
+    p = moe_problem(experts=4, hidden=hidden, inter=inter, group=group, tokens_per_expert=tokens).to(cuda)
+    backend = HipFdot2Backend()
+    assert backend.supports_device(cuda).ok, backend.supports_device(cuda).reason
+    experts = backend.prepare(p.weights, "silu", cuda)
+    x = p.hidden.to(torch.float16)
+    out = experts(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights)
+    assert rel_error(out, _reference(p, x)) < 1e-2
+
+
+def test_hip_fdot2_gelu(cuda, moe_problem, rel_error):
+    p = moe_problem(experts=2, hidden=256, inter=128, group=32, tokens_per_expert=4).to(cuda)
+    out = HipFdot2Backend().prepare(p.weights, "gelu", cuda)(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights)
+    assert rel_error(out, _reference(p, p.hidden.to(torch.float16), "gelu")) < 1e-2
+
+
+def test_oracle_on_gpu(cuda, moe_problem):
+    p = moe_problem(experts=2, hidden=128, inter=64, group=32, tokens_per_expert=1)
+    choice = choose_backend(cuda, p.weights.scheme, "silu")
+    expected = "hip_fdot2" if torch.version.hip and "gfx103" in torch.cuda.get_device_properties(cuda).gcnArchName else "triton"
+    assert choice.backend.name == expected
+    assert isinstance(choose_backend(cuda, p.weights.scheme, "silu", forced="hip_fdot2").backend, HipFdot2Backend)
+    assert isinstance(choose_backend(cuda, p.weights.scheme, "silu", forced="triton").backend, TritonBackend)
