@@ -1,0 +1,363 @@
+"""W4A16 expert kernels on real MoE shapes: time, effective weight bandwidth, and the ceilings.
+
+    python -m benchmarks.bench_kernel --out results/bench_kernel.json [--device cuda] [--sweep]
+
+Every expert gets exactly M tokens (M = 1, 2, 4, 8, 16, 64), so every weight is read once per call.
+Effective bandwidth = int4 payload + 16-bit group scales (the W4A16 checkpoint size) / time.
+Ceilings measured in the same run: a device copy (read + write bytes / time) and torch's own int4
+GEMM (`_weight_int4pack_mm`, tinygemm on CUDA; `_weight_int4pack_mm_for_cpu` on CPU) on the same
+weights, once as a single GEMM over all experts (its best case) and once looped over experts.
+On CPU the shapes keep H and I but fewer experts, and fewer token counts and iterations.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from kernels.backends.base import PreparedExperts
+from kernels.oracle import create_backend, refusal
+from kernels.quant import Int4Weights, W4A16ExpertWeights
+from kernels.reference import moe_experts_w4a16_reference
+
+
+@dataclass(frozen=True, slots=True)
+class MoeShape:
+    name: str
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+
+
+MODELS = {
+    "qwen3-30b-a3b": MoeShape("qwen3-30b-a3b", hidden=2048, inter=768, experts=128, top_k=8),
+    "mixtral-8x7b": MoeShape("mixtral-8x7b", hidden=4096, inter=14336, experts=8, top_k=2),
+}
+CPU_EXPERTS = {"qwen3-30b-a3b": 8, "mixtral-8x7b": 2}
+GROUP = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    model: str
+    experts: int
+    backend: str
+    tokens_per_expert: int
+    time_us: float
+    weight_bytes: int
+    bandwidth_gbps: float
+    fraction_of_copy: float
+    graph_time_us: float | None = None
+    rel_error_vs_reference: float | None = None
+    config: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    shape: MoeShape
+    tokens_per_expert: int
+    hidden: torch.Tensor  # [T, H] bf16
+    pair_rows: torch.Tensor  # [P]
+    pair_experts: torch.Tensor  # [P]
+    pair_weights: torch.Tensor  # [P]
+
+
+def random_weights(shape: MoeShape, device: torch.device, seed: int = 0) -> W4A16ExpertWeights:
+    """Random nibbles and signed scales; the values do not change the timing."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def projection(n: int, k: int) -> Int4Weights:
+        packed = torch.randint(-(2**31), 2**31 - 1, (shape.experts, n, k // 8), generator=gen, device=device, dtype=torch.int32)
+        scales = torch.randn(shape.experts, n, k // GROUP, generator=gen, device=device) * 0.02
+        return Int4Weights(packed, scales, GROUP)
+
+    return W4A16ExpertWeights(projection(2 * shape.inter, shape.hidden), projection(shape.hidden, shape.inter))
+
+
+def problem(shape: MoeShape, tokens_per_expert: int, device: torch.device) -> Problem:
+    """T = E * M / k rows; row t routes to experts (t*k + j) % E: each expert gets exactly M pairs."""
+    rows = shape.experts * tokens_per_expert // shape.top_k
+    assert rows * shape.top_k == shape.experts * tokens_per_expert, "E * M must be a multiple of top-k"
+    flat = torch.arange(rows * shape.top_k, device=device)  # [P]
+    gen = torch.Generator(device=device).manual_seed(tokens_per_expert)
+    return Problem(
+        shape,
+        tokens_per_expert,
+        torch.randn(rows, shape.hidden, generator=gen, device=device).to(torch.bfloat16),
+        flat // shape.top_k,
+        flat % shape.experts,
+        torch.rand(rows * shape.top_k, generator=gen, device=device),
+    )
+
+
+def checkpoint_bytes(shape: MoeShape) -> int:
+    """int4 payload plus one 16-bit scale per group, for all experts of one layer."""
+    params = shape.experts * 3 * shape.hidden * shape.inter
+    return params // 2 + 2 * params // GROUP
+
+
+# ---- timing --------------------------------------------------------------------------------------
+
+
+def time_call(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Mean seconds per call, calls issued back to back (the GPU queue stays full)."""
+    for _ in range(2):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+    begin = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - begin) / iters
+
+
+def time_graph(fn: Callable[[], object], device: torch.device, iters: int) -> float | None:
+    """Mean seconds per CUDA-graph replay of `fn` (no launch overhead), None if it cannot be captured."""
+    if device.type != "cuda":
+        return None
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as err:  # e.g. an op that synchronises with the host
+        print(f"  (no CUDA graph: {str(err).splitlines()[0]})")
+        return None
+    return time_call(graph.replay, device, iters)
+
+
+def copy_bandwidth(device: torch.device, iters: int) -> float:
+    """Bytes read + written per second by a device-to-device copy of a buffer far larger than caches."""
+    size = (1 << 30) if device.type == "cuda" else (1 << 28)
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = time_call(lambda: dst.copy_(src), device, iters)
+    return 2 * size / seconds
+
+
+# ---- what is measured ------------------------------------------------------------------------------
+
+
+def run_backend(
+    name: str, weights: W4A16ExpertWeights, problems: list[Problem], device: torch.device, iters: int,
+    copy_bw: float, experts: PreparedExperts | None = None, config: str = "",
+) -> list[Row]:
+    """One prepared backend over every token count."""
+    shape = problems[0].shape
+    if experts is None:
+        backend = create_backend(name)
+        reason = refusal(backend, device, weights.scheme, "silu")
+        if reason is not None:
+            print(f"  {name}: skipped ({reason})")
+            return []
+        experts = backend.prepare(weights, "silu", device)
+    rows = []
+    for p in problems:
+        def call(p: Problem = p) -> torch.Tensor:
+            return experts(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights)
+
+        seconds = time_call(call, device, iters)
+        error = None
+        if p.tokens_per_expert in (1, 8):
+            ref = moe_experts_w4a16_reference(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights, weights)
+            error = ((call() - ref).abs().max() / ref.abs().max()).item()
+        graph = time_graph(call, device, iters)
+        rows.append(_show(_row(shape, name, p.tokens_per_expert, seconds, copy_bw, graph, error, config)))
+    return rows
+
+
+def torch_int4_rows(weights: W4A16ExpertWeights, problems: list[Problem], device: torch.device, iters: int, copy_bw: float) -> list[Row]:
+    """torch's int4 GEMM: one GEMM over all experts' weights (best case), and looped per expert."""
+    shape = problems[0].shape
+    dense13, dense2 = _TorchInt4(weights.w13, device), _TorchInt4(weights.w2, device)
+    per_expert13 = [_TorchInt4(_expert(weights.w13, e), device) for e in range(shape.experts)]
+    per_expert2 = [_TorchInt4(_expert(weights.w2, e), device) for e in range(shape.experts)]
+    rows = []
+    for p in problems:
+        x13 = torch.randn(p.tokens_per_expert, shape.hidden, device=device).to(torch.bfloat16)
+        x2 = torch.randn(p.tokens_per_expert, shape.inter, device=device).to(torch.bfloat16)
+
+        def one_gemm() -> None:
+            dense13(x13)
+            dense2(x2)
+
+        def per_expert() -> torch.Tensor:
+            out = torch.zeros(p.hidden.shape[0], shape.hidden, device=device)
+            order = torch.argsort(p.pair_experts)
+            per = p.tokens_per_expert  # every expert has exactly M pairs
+            for e in range(shape.experts):
+                pairs = order[e * per : (e + 1) * per]
+                gate, up = per_expert13[e](p.hidden[p.pair_rows[pairs]]).float().chunk(2, dim=-1)
+                y = per_expert2[e]((torch.nn.functional.silu(gate) * up).to(torch.bfloat16)).float()
+                out.index_add_(0, p.pair_rows[pairs], y * p.pair_weights[pairs, None])
+            return out
+
+        for name, fn in (("torch_int4_one_gemm", one_gemm), ("torch_int4_per_expert", per_expert)):
+            seconds = time_call(fn, device, iters)
+            rows.append(_show(_row(shape, name, p.tokens_per_expert, seconds, copy_bw, time_graph(fn, device, iters))))
+    return rows
+
+
+class _TorchInt4:
+    """All experts of one projection as one [E*N, K] int4 matrix in torch's packed layout."""
+
+    def __init__(self, weights: Int4Weights, device: torch.device) -> None:
+        e, n, k = weights.num_experts, weights.out_features, weights.in_features
+        q = torch.cat([weights.unpacked(i) for i in range(e)])  # [E*N, K] uint8
+        scales = weights.scales.reshape(e * n, -1).t()  # [K/G, E*N]
+        self.scales_and_zeros = torch.stack([scales, torch.zeros_like(scales)], -1).to(torch.bfloat16).contiguous()
+        self.group = weights.group_size
+        self.cuda = device.type == "cuda"
+        if self.cuda:  # tinygemm takes uint8 [N, K/2] (high nibble first)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), 8)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cuda:
+            return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
+
+
+def _expert(weights: Int4Weights, e: int) -> Int4Weights:
+    return Int4Weights(weights.packed[e : e + 1], weights.scales[e : e + 1], weights.group_size)
+
+
+def _row(shape, backend, m, seconds, copy_bw, graph=None, error=None, config="") -> Row:
+    best = min(seconds, graph) if graph is not None else seconds
+    bandwidth = checkpoint_bytes(shape) / best
+    return Row(
+        shape.name, shape.experts, backend, m, round(seconds * 1e6, 2), checkpoint_bytes(shape),
+        round(bandwidth / 1e9, 2), round(bandwidth / copy_bw, 4),
+        None if graph is None else round(graph * 1e6, 2), error, config,
+    )
+
+
+HEADER = (
+    f"{'model':15} {'backend':22} {'M':>3} {'time us':>9} {'graph us':>9} {'GB/s':>7} {'of copy':>7} {'rel err':>8}  config"
+)
+
+
+def _show(r: Row) -> Row:
+    graph = f"{r.graph_time_us:9.1f}" if r.graph_time_us is not None else f"{'-':>9}"
+    err = f"{r.rel_error_vs_reference:8.1e}" if r.rel_error_vs_reference is not None else f"{'-':>8}"
+    print(f"{r.model:15} {r.backend:22} {r.tokens_per_expert:3d} {r.time_us:9.1f} {graph} "
+          f"{r.bandwidth_gbps:7.1f} {r.fraction_of_copy:7.1%} {err}  {r.config}", flush=True)
+    return r
+
+
+def triton_sweep(weights, problems, device, iters, copy_bw) -> list[Row]:
+    """Launch configurations of the Triton kernels, each timed on every token count."""
+    from kernels.backends.triton_moe import TritonConfig, TritonExperts
+
+    base = TritonConfig()
+    configs = [
+        base,
+        replace(base, ptx_dequant=False),
+        replace(base, block_n_gate_up=32, block_n_down=32),
+        replace(base, block_n_gate_up=32, block_n_down=64, num_warps=2),
+        replace(base, num_warps=2),
+        replace(base, block_n_gate_up=128, block_n_down=128),
+        replace(base, block_n_gate_up=128, block_n_down=128, num_warps=8),
+        replace(base, block_n_down=128),
+        replace(base, num_stages=2),
+        replace(base, num_stages=4),
+        replace(base, block_m=32),
+        replace(base, block_m=64, block_n_down=128, num_warps=8),
+    ]
+    rows = []
+    for config in configs:
+        experts = TritonExperts(weights, "silu", device, config)
+        rows += run_backend("triton", weights, problems, device, iters, copy_bw, experts, _describe(config))
+    return rows
+
+
+def _describe(config) -> str:
+    return ",".join(f"{k}={v}" for k, v in asdict(config).items())
+
+
+# ---- entry point -----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("results/bench_kernel.json"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--models", help=f"comma-separated of {', '.join(MODELS)} (default: all; CPU: qwen3-30b-a3b)")
+    parser.add_argument("--tokens", help="tokens per expert, comma-separated (default: 1,2,4,8,16,64; CPU 1,8)")
+    parser.add_argument("--backends", help="default: triton,hip_fdot2 on a GPU; cpu,reference on CPU")
+    parser.add_argument("--iters", type=int, help="default: 50 on a GPU, 3 on CPU")
+    parser.add_argument("--threads", type=int, help="CPU threads (default 1 on CPU: on a shared 2-core box two "
+                        "OpenMP threads measured 30x slower than one)")
+    parser.add_argument("--sweep", action="store_true", help="also time Triton launch configurations (GPU)")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    if args.threads or not gpu:
+        torch.set_num_threads(args.threads or 1)
+    iters = args.iters or (50 if gpu else 3)
+    tokens = [int(t) for t in (args.tokens or ("1,2,4,8,16,64" if gpu else "1,8")).split(",")]
+    backends = (args.backends or ("triton,hip_fdot2" if gpu else "cpu,reference")).split(",")
+    copy_bw = copy_bandwidth(device, iters)
+    print(f"device {torch.cuda.get_device_name(device) if gpu else platform.processor() or 'cpu'}: "
+          f"copy {copy_bw / 1e9:.0f} GB/s (read + write)")
+
+    meta = {
+        "device": torch.cuda.get_device_name(device) if gpu else "cpu",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "copy_bandwidth_gbps": round(copy_bw / 1e9, 1),
+        "bandwidth_definition": "int4 payload + 16-bit group scales (group 128) / min(time, graph time)",
+        "iters": iters,
+    }
+    rows: list[Row] = []
+    failures: list[str] = []
+    print(HEADER)
+    for name in (args.models or (",".join(MODELS) if gpu else "qwen3-30b-a3b")).split(","):
+        shape = MODELS[name] if gpu else replace(MODELS[name], experts=CPU_EXPERTS[name])
+        weights = random_weights(shape, device)
+        problems = [problem(shape, m, device) for m in tokens]
+        print(f"{shape.name}: H={shape.hidden} I={shape.inter} E={shape.experts} top-{shape.top_k}, "
+              f"{checkpoint_bytes(shape) / 1e6:.0f} MB of W4A16 weights")
+        steps = [(b, lambda b=b: run_backend(b, weights, problems, device, iters if b != "reference" else 1, copy_bw))
+                 for b in backends]
+        steps.append(("torch_int4", lambda: torch_int4_rows(weights, problems, device, iters, copy_bw)))
+        if args.sweep and gpu and name == "qwen3-30b-a3b":
+            steps.append(("triton sweep", lambda: triton_sweep(weights, problems, device, iters, copy_bw)))
+        for label, step in steps:
+            try:
+                rows += step()
+            except Exception as err:  # noqa: BLE001 -- one failing backend must not hide the others' numbers
+                failures.append(f"{shape.name} {label}: {type(err).__name__}: {err}")
+                print(f"  {label} FAILED: {type(err).__name__}: {str(err)[:2000]}", flush=True)
+        del weights
+        _write(args.out, meta, rows, failures)
+    print(f"wrote {args.out}" + (f"; {len(failures)} failures" if failures else ""))
+
+
+def _write(path: Path, meta: dict, rows: list[Row], failures: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in rows], "failures": failures}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
