@@ -91,11 +91,6 @@ class Int4Weights:
             act_order=self.g_idx is not None,
         )
 
-    def nbytes(self) -> int:
-        """Bytes a kernel reads: packed weights, scales and zeros."""
-        extra = 0 if self.zeros is None else self.zeros.numel() // 2
-        return self.packed.numel() * 4 + self.scales.numel() * self.scales.element_size() + extra
-
     def to(self, device: torch.device | str) -> Int4Weights:
         return Int4Weights(
             self.packed.to(device),
@@ -163,9 +158,6 @@ class W4A16ExpertWeights:
     @property
     def scheme(self) -> QuantScheme:
         return self.w13.scheme
-
-    def nbytes(self) -> int:
-        return self.w13.nbytes() + self.w2.nbytes()
 
     def to(self, device: torch.device | str) -> W4A16ExpertWeights:
         return W4A16ExpertWeights(self.w13.to(device), self.w2.to(device))

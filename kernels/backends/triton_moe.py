@@ -115,7 +115,7 @@ class TritonExperts(PreparedExperts):
         is_bf16 = x.dtype == torch.bfloat16
         use_ptx = cfg.ptx_dequant and x.is_cuda and torch.version.hip is None
         w13, w2 = self.w13, self.w2
-        self.kernels.gate_up_kernel[(e, triton_cdiv(i, cfg.block_n_gate_up))](
+        self.kernels.gate_up_kernel[(e, _cdiv(i, cfg.block_n_gate_up))](
             x, x.stride(0),
             pair_rows, groups.order, groups.bounds,
             w13.w, w13.w.stride(0), w13.w.stride(1),
@@ -126,7 +126,7 @@ class TritonExperts(PreparedExperts):
             ACTIVATION=self.activation, IS_BF16=is_bf16, USE_PTX=use_ptx,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        self.kernels.down_kernel[(e, triton_cdiv(h, cfg.block_n_down))](
+        self.kernels.down_kernel[(e, _cdiv(h, cfg.block_n_down))](
             act, act.stride(0),
             pair_rows, router, groups.order, groups.bounds,
             w2.w, w2.w.stride(0), w2.w.stride(1),
@@ -139,5 +139,5 @@ class TritonExperts(PreparedExperts):
         return out
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
