@@ -7,7 +7,7 @@ PROTOS_VENV := .venv-protos
 # protobuf runtime we run on (see DESIGN.md §5); newer runtimes accept it.
 GRPCIO_TOOLS := grpcio-tools==1.66.2
 
-.PHONY: venv up down test protos model clean
+.PHONY: venv up down test protos model hipcc bench-kernel bench-memory clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +37,19 @@ up: venv
 down: venv
 	$(PY) -m cluster down
 
-test: venv $(PROTOS_VENV)/.installed
+# Debian's ROCm 5.2 hipcc compiles the HIP kernel for gfx1030/gfx1100 so the
+# tests can read its ISA; nothing AMD runs here.
+hipcc:
+	@command -v hipcc >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q hipcc; }
+
+test: venv $(PROTOS_VENV)/.installed hipcc
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench-kernel: venv
+	$(PY) -m benchmarks.bench_kernel --out results/bench_kernel.json $(ARGS)
+
+bench-memory: venv
+	$(PY) -m benchmarks.bench_memory --out results/memory.json $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(PROTOS_VENV)
