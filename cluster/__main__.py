@@ -77,7 +77,7 @@ def up(a: argparse.Namespace) -> int:
         cluster.start(attention_to_terminal=not a.detach)
         print(f"starting {spec.num_workers} workers and the attention server; logs in {spec.run_dir}", flush=True)
         cluster.wait_ready(a.ready_timeout)
-        print(f"\nhetero-moe serves {spec.model} at {spec.base_url}/v1 (model name: {spec.model})", flush=True)
+        print(f"\nhetero-moe serves {spec.model} at {spec.base_url}/v1 as model {spec.served_model_name!r}", flush=True)
         if a.detach:
             print("stop it with: make down   (python -m cluster down)", flush=True)
             cluster.procs.clear()  # leave them running

@@ -40,6 +40,13 @@ class ClusterSpec:
         return [f"{self.host}:{self.worker_base_port + i}" for i in range(self.num_workers)]
 
     @property
+    def served_model_name(self) -> str:
+        args = list(self.vllm_args)
+        if "--served-model-name" in args:
+            return args[args.index("--served-model-name") + 1]
+        return self.model.name
+
+    @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.http_port}"
 
@@ -61,6 +68,7 @@ class ClusterSpec:
             "--expert-endpoints", ",".join(self.endpoints),
             "--host", self.host,
             "--port", str(self.http_port),
+            "--served-model-name", self.served_model_name,
             *self.vllm_args,
         ]  # fmt: skip
 

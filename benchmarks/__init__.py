@@ -1,0 +1,1 @@
+"""Benchmark commands: each prints a table and writes JSON; none is a test."""
