@@ -40,6 +40,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     up.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker")
+    up.add_argument("--weight-format", choices=("checkpoint", "w4a16"), default="checkpoint",
+                    help="w4a16: workers quantize 16-bit experts on load and run the W4A16 kernels")
+    up.add_argument("--group-size", type=int, default=None, help="quantize-on-load group (32, 64, 128)")
+    up.add_argument("--kernel-backend", default=None, help="force a worker kernel backend")
     up.add_argument("--ready-timeout", type=float, default=900.0)
     up.add_argument("--detach", action="store_true", help="return once serving; stop with `down`")
     up.add_argument("--run-dir", type=Path, default=default_run_dir(), help="logs and the detached cluster's state")
@@ -47,6 +51,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     down = sub.add_parser("down", help="stop a detached cluster")
     down.add_argument("--run-dir", type=Path, default=default_run_dir())
     return p.parse_args(argv)
+
+
+def worker_args(a: argparse.Namespace) -> tuple[str, ...]:
+    args = ["--weight-format", a.weight_format]
+    if a.group_size is not None:
+        args += ["--group-size", str(a.group_size)]
+    if a.kernel_backend is not None:
+        args += ["--kernel-backend", a.kernel_backend]
+    return tuple(args)
 
 
 def up(a: argparse.Namespace) -> int:
@@ -64,6 +77,7 @@ def up(a: argparse.Namespace) -> int:
         run_dir=a.run_dir,
         worker_threads=a.worker_threads,
         vllm_args=tuple(vllm_args),
+        worker_args=worker_args(a),
     )
     if (spec.run_dir / "cluster.json").exists():
         print(f"a detached cluster is recorded in {spec.run_dir}; run `python -m cluster down` first", file=sys.stderr)

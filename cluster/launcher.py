@@ -34,6 +34,7 @@ class ClusterSpec:
     run_dir: Path
     worker_threads: int
     vllm_args: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()  # e.g. --weight-format w4a16 --kernel-backend cpu
 
     @property
     def endpoints(self) -> list[str]:
@@ -59,6 +60,7 @@ class ClusterSpec:
             "--host", self.host,
             "--port", str(self.worker_base_port + index),
             "--num-threads", str(self.worker_threads),
+            *self.worker_args,
         ]  # fmt: skip
 
     def attention_command(self) -> list[str]:

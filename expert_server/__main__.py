@@ -23,7 +23,9 @@ from expert_server.weights import load_shard
 from protos import GRPC_OPTIONS
 from protos import expert_pb2 as pb
 from protos import expert_pb2_grpc as pb_grpc
-from protos.checkpoint import read_checkpoint
+from kernels.formats import FormatMismatch, UnsupportedQuantization
+from kernels.oracle import BackendUnavailable
+from protos.checkpoint import CheckpointError, read_checkpoint
 from protos.placement import Placement
 
 logger = logging.getLogger("expert_server")
@@ -39,8 +41,10 @@ async def serve(cfg: WorkerConfig) -> None:
     metrics.UP.set(0)
     ckpt = read_checkpoint(cfg.model)
     start, end = Placement(ckpt.num_experts, cfg.num_workers).expert_range(cfg.worker_index)
-    experts = LocalExperts(ckpt, start, end, load_shard(ckpt, start, end, torch.device(cfg.device)))
-    servicer = ExpertServicer(experts, cfg.worker_index, cfg.num_workers, kernel_backend="reference")
+    device = torch.device(cfg.device)
+    shard = load_shard(ckpt, start, end, device, cfg.weight_format, cfg.kernel_backend, cfg.group_size)
+    experts = LocalExperts(ckpt, start, end, shard, device)
+    servicer = ExpertServicer(experts, cfg.worker_index, cfg.num_workers)
 
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb_grpc.add_ExpertServiceServicer_to_server(servicer, server)
@@ -75,7 +79,11 @@ async def serve(cfg: WorkerConfig) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvloop.run(serve(WorkerConfig.from_args()))
+    try:
+        uvloop.run(serve(WorkerConfig.from_args()))
+    except (BackendUnavailable, UnsupportedQuantization, FormatMismatch, CheckpointError) as err:
+        logger.error("cannot serve: %s", err)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

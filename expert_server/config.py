@@ -5,6 +5,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+WEIGHT_FORMATS = ("checkpoint", "w4a16")
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
@@ -16,6 +18,9 @@ class WorkerConfig:
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
     metrics_port: int | None = None  # Prometheus /metrics; None serves none
+    weight_format: str = "checkpoint"  # "checkpoint": as stored; "w4a16": quantize 16-bit experts on load
+    kernel_backend: str | None = None  # force a backend; None lets the oracle choose
+    group_size: int = 128  # quantize-on-load group
 
     def __post_init__(self) -> None:
         if not self.model.is_dir():
@@ -26,6 +31,10 @@ class WorkerConfig:
             raise ValueError(f"--worker-index {self.worker_index} is outside [0, {self.num_workers})")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port {self.port} is not a TCP port")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"--weight-format {self.weight_format!r} is not one of {WEIGHT_FORMATS}")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"--group-size must be 32, 64 or 128, got {self.group_size}")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise ValueError(f"--metrics-port {self.metrics_port} is not a TCP port")
         if self.num_threads is not None and self.num_threads < 1:
@@ -42,6 +51,10 @@ class WorkerConfig:
         p.add_argument("--device", default="cpu", help="torch device for the experts")
         p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
         p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+        p.add_argument("--weight-format", default="checkpoint", choices=WEIGHT_FORMATS,
+                       help="checkpoint: serve experts as stored; w4a16: quantize 16-bit experts on load")
+        p.add_argument("--kernel-backend", default=None, help="force hip_fdot2, triton, cpu or reference")
+        p.add_argument("--group-size", type=int, default=128, help="quantize-on-load group size (32, 64, 128)")
         a = p.parse_args(argv)
         return cls(
             model=a.model,
@@ -52,4 +65,7 @@ class WorkerConfig:
             device=a.device,
             num_threads=a.num_threads,
             metrics_port=a.metrics_port,
+            weight_format=a.weight_format,
+            kernel_backend=a.kernel_backend,
+            group_size=a.group_size,
         )

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import DenseExpertWeights, moe_experts_reference
+from expert_server.weights import LoadedShard
 from protos.checkpoint import MoeCheckpoint
 
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -35,11 +35,11 @@ class ExpertBatch:
 class LocalExperts:
     """Experts [start, end) of every MoE layer of one checkpoint."""
 
-    def __init__(self, ckpt: MoeCheckpoint, start: int, end: int, shard: dict[int, DenseExpertWeights]):
+    def __init__(self, ckpt: MoeCheckpoint, start: int, end: int, shard: LoadedShard, device: torch.device):
         self.ckpt = ckpt
         self.start, self.end = start, end
         self.shard = shard
-        self.device = next(iter(shard.values())).w13.device
+        self.device = device
 
     def make_batch(
         self,
@@ -50,8 +50,8 @@ class LocalExperts:
         pair_weights: torch.Tensor,
     ) -> ExpertBatch:
         """Check a decoded request against what this worker holds."""
-        if layer not in self.shard:
-            raise RequestError(f"layer {layer} is not a MoE layer of this model (MoE layers: {list(self.shard)})")
+        if layer not in self.shard.layers:
+            raise RequestError(f"layer {layer} is not a MoE layer of this model (MoE layers: {list(self.shard.layers)})")
         if hidden.dtype not in HIDDEN_DTYPES:
             raise RequestError(f"hidden dtype {hidden.dtype} is not one of {HIDDEN_DTYPES}")
         if hidden.dim() != 2 or hidden.shape[1] != self.ckpt.hidden_size:
@@ -89,11 +89,5 @@ class LocalExperts:
 
     def forward(self, batch: ExpertBatch) -> torch.Tensor:
         """[T, H] float32 partial: router-weighted sum of this worker's experts per row."""
-        return moe_experts_reference(
-            batch.hidden,
-            batch.pair_rows,
-            batch.pair_experts,
-            batch.pair_weights,
-            self.shard[batch.layer],
-            self.ckpt.activation,
-        ).cpu()
+        experts = self.shard.layers[batch.layer]
+        return experts(batch.hidden, batch.pair_rows, batch.pair_experts, batch.pair_weights).cpu()

@@ -28,7 +28,7 @@ def status_for(exc: Exception) -> grpc.StatusCode:
 
 
 class ExpertServicer(pb_grpc.ExpertServiceServicer):
-    def __init__(self, experts: LocalExperts, worker_index: int, num_workers: int, kernel_backend: str):
+    def __init__(self, experts: LocalExperts, worker_index: int, num_workers: int):
         self.experts = experts
         ckpt = experts.ckpt
         self.info = pb.InfoResponse(
@@ -43,8 +43,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             num_workers=num_workers,
             expert_ranges=[pb.ExpertRange(start=experts.start, end=experts.end)],
             activation_dtype=codec.wire_dtype(ckpt.dtype),
-            weight_format=str(ckpt.dtype).removeprefix("torch."),
-            kernel_backend=kernel_backend,
+            weight_format=experts.shard.weight_format,
+            kernel_backend=experts.shard.kernel_backend,
             activation=ckpt.activation,
         )
         # One compute thread: requests run in arrival order and the event loop

@@ -1,25 +1,79 @@
-"""This worker's shard of routed experts, read straight from the safetensors files."""
+"""This worker's shard of routed experts, read straight from the safetensors files,
+prepared for the kernel backend the oracle picks.
+
+    checkpoint --(16-bit, --weight-format checkpoint)--> DenseExpertWeights --> float32 reference
+               --(GPTQ / compressed-tensors, or 16-bit with --weight-format w4a16)--> W4A16ExpertWeights
+                                                         --> oracle: hip_fdot2 | triton | cpu | reference
+"""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
 
+from kernels.backends.base import PreparedExperts
+from kernels.backends.reference import DenseReference
+from kernels.formats import ExpertKeys, SafetensorsDir, load_expert_weights, parse_quant_config
+from kernels.formats.config import DENSE
+from kernels.oracle import BackendUnavailable, choose_backend
 from kernels.reference import DenseExpertWeights
+from expert_server.config import WEIGHT_FORMATS
 from protos.checkpoint import MoeCheckpoint
 
 logger = logging.getLogger(__name__)
 
 
-def load_shard(
-    ckpt: MoeCheckpoint, start: int, end: int, device: torch.device
-) -> dict[int, DenseExpertWeights]:
-    """Experts [start, end) of every MoE layer, keyed by decoder layer index.
+@dataclass(frozen=True, slots=True)
+class LoadedShard:
+    """layers[l](hidden, pair_rows, pair_experts, pair_weights) -> [T, H] float32."""
 
-    Only the tensors of these experts are read; w13 is [E_w, 2I, H] (gate rows
-    then up rows), w2 is [E_w, H, I].
-    """
+    layers: dict[int, PreparedExperts]
+    kernel_backend: str
+    weight_format: str
+
+
+def load_shard(
+    ckpt: MoeCheckpoint,
+    start: int,
+    end: int,
+    device: torch.device,
+    weight_format: str = "checkpoint",
+    kernel_backend: str | None = None,
+    group_size: int = 128,
+) -> LoadedShard:
+    """Experts [start, end) of every MoE layer, keyed by decoder layer index; only their tensors are read."""
+    assert weight_format in WEIGHT_FORMATS, weight_format
+    source = SafetensorsDir(ckpt.path)
+    quant = parse_quant_config(source.quantization_config(), quantize_group=group_size)
+    if quant.method == DENSE and weight_format == "checkpoint":
+        if kernel_backend not in (None, "reference"):
+            raise BackendUnavailable(
+                f"kernel backend {kernel_backend!r} runs W4A16 experts; this {ckpt.dtype} checkpoint is "
+                "served unquantized by the reference: pass --weight-format w4a16 to quantize it on load"
+            )
+        layers = {l: DenseReference(w, ckpt.activation) for l, w in _load_dense(ckpt, start, end, device).items()}
+        return LoadedShard(layers, "reference", str(ckpt.dtype).removeprefix("torch."))
+
+    naming, layers, choice = ckpt.naming, {}, None
+    for layer in ckpt.moe_layers:
+        keys = [
+            ExpertKeys(*(naming.module(layer, e, p) for p in (naming.gate, naming.up, naming.down)))
+            for e in range(start, end)
+        ]
+        weights = load_expert_weights(source, keys, quant)
+        if choice is None:
+            choice = choose_backend(device, weights.scheme, ckpt.activation, forced=kernel_backend)
+        layers[layer] = choice.backend.prepare(weights, ckpt.activation, device)
+    scheme = weights.scheme
+    logger.info("experts [%d, %d) of %d layers as %s on %r", start, end, len(layers), scheme.describe(),
+                choice.backend.name)  # fmt: skip
+    return LoadedShard(layers, choice.backend.name, f"w4a16 {scheme.describe()}")
+
+
+def _load_dense(ckpt: MoeCheckpoint, start: int, end: int, device: torch.device) -> dict[int, DenseExpertWeights]:
+    """w13 is [E_w, 2I, H] (gate rows then up rows), w2 is [E_w, H, I]."""
     naming = ckpt.naming
     wanted = {
         naming.name(layer, e, proj)

@@ -37,12 +37,17 @@ class ExpertNaming:
     up: str
     down: str
 
+    def module(self, layer: int, expert: int, proj: str) -> str:
+        return f"{self.prefix.format(layer=layer, expert=expert)}.{proj}"
+
     def name(self, layer: int, expert: int, proj: str) -> str:
-        return f"{self.prefix.format(layer=layer, expert=expert)}.{proj}.weight"
+        """The 16-bit weight tensor's name."""
+        return f"{self.module(layer, expert, proj)}.weight"
 
     def pattern(self) -> re.Pattern[str]:
+        """Matches a projection's weight: 16-bit, GPTQ `qweight` or compressed-tensors `weight_packed`."""
         prefix = re.escape(self.prefix).replace(r"\{layer\}", r"(\d+)").replace(r"\{expert\}", r"(\d+)")
-        return re.compile(rf"^{prefix}\.({self.gate}|{self.up}|{self.down})\.weight$")
+        return re.compile(rf"^{prefix}\.({self.gate}|{self.up}|{self.down})\.(weight|qweight|weight_packed)$")
 
 
 _QWEN_NAMING = ExpertNaming("model.layers.{layer}.mlp.experts.{expert}", "gate_proj", "up_proj", "down_proj")

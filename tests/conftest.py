@@ -91,7 +91,7 @@ def wait_serving(endpoint: str, proc: subprocess.Popen, timeout_s: float = 120.0
     raise TimeoutError(f"worker at {endpoint} not serving after {timeout_s} s")
 
 
-def start_workers(procs: Processes, model: Path, num_workers: int, tag: str) -> Workers:
+def start_workers(procs: Processes, model: Path, num_workers: int, tag: str, extra_args: tuple[str, ...] = ()) -> Workers:
     """Real expert_server processes on loopback, one per worker index, each with /metrics."""
     ports = free_ports(2 * num_workers)
     ports, metrics_ports = ports[:num_workers], ports[num_workers:]
@@ -101,7 +101,7 @@ def start_workers(procs: Processes, model: Path, num_workers: int, tag: str) -> 
     for i, port in enumerate(ports):
         cmd = spec.worker_command(i)
         cmd[cmd.index("--port") + 1] = str(port)
-        procs.start(f"{tag}-worker-{i}", [*cmd, "--metrics-port", str(metrics_ports[i])])
+        procs.start(f"{tag}-worker-{i}", [*cmd, "--metrics-port", str(metrics_ports[i]), *extra_args])
         endpoints.append(f"{HOST}:{port}")
     for i, endpoint in enumerate(endpoints):
         wait_serving(endpoint, procs.procs[f"{tag}-worker-{i}"])

@@ -5,7 +5,7 @@ import torch
 
 from kernels.backends.base import ExpertBackend, PreparedExperts, Support
 from kernels.quant import QuantScheme, W4A16ExpertWeights
-from kernels.reference import moe_experts_w4a16_reference
+from kernels.reference import DenseExpertWeights, moe_experts_reference, moe_experts_w4a16_reference
 
 
 class ReferenceBackend(ExpertBackend):
@@ -30,3 +30,14 @@ class _Reference(PreparedExperts):
         return moe_experts_w4a16_reference(
             hidden, pair_rows, pair_experts, pair_weights, self.weights, self.activation
         )
+
+
+class DenseReference(PreparedExperts):
+    """16-bit experts served unquantized, through the float32 oracle."""
+
+    def __init__(self, weights: DenseExpertWeights, activation: str) -> None:
+        self.weights = weights
+        self.activation = activation
+
+    def __call__(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
+        return moe_experts_reference(hidden, pair_rows, pair_experts, pair_weights, self.weights, self.activation)

@@ -1,0 +1,74 @@
+"""Workers that quantize a 16-bit checkpoint on load and run it through the kernel oracle."""
+from __future__ import annotations
+
+import subprocess
+
+import grpc
+import pytest
+import torch
+
+from conftest import python_module, start_workers
+from expert_server.weights import load_shard
+from kernels.formats import ExpertKeys, SafetensorsDir, load_expert_weights, parse_quant_config
+from kernels.reference import moe_experts_w4a16_reference
+from protos import GRPC_OPTIONS, codec
+from protos import expert_pb2 as pb
+from protos import expert_pb2_grpc as pb_grpc
+from protos.checkpoint import read_checkpoint
+from protos.placement import Placement
+from test_expert_server import request_for
+
+NUM_WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def quantized(model_dir, processes):
+    model = model_dir("qwen3_moe")
+    workers = start_workers(processes, model, NUM_WORKERS, tag="w4a16", extra_args=("--weight-format", "w4a16", "--group-size", "32"))
+    channels = [grpc.insecure_channel(e, options=GRPC_OPTIONS) for e in workers.endpoints]
+    yield read_checkpoint(model), [pb_grpc.ExpertServiceStub(c) for c in channels]
+    for c in channels:
+        c.close()
+
+
+def test_oracle_picks_the_cpu_kernel_and_info_says_so(quantized):
+    _, stubs = quantized
+    info = stubs[0].Info(pb.InfoRequest(), timeout=10)
+    assert info.kernel_backend == "cpu"
+    assert info.weight_format == "w4a16 int4 sym group 32"
+
+
+def test_w4a16_partials_match_the_dequantizing_reference(quantized):
+    ckpt, stubs = quantized
+    source = SafetensorsDir(ckpt.path)
+    quant = parse_quant_config(None, quantize_group=32)
+    placement = Placement(ckpt.num_experts, NUM_WORKERS)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, ckpt.hidden_size, generator=g).to(torch.bfloat16)
+    layer, naming = ckpt.moe_layers[1], ckpt.naming
+    for worker, stub in enumerate(stubs):
+        start, end = placement.expert_range(worker)
+        rows = torch.tensor([0, 1, 1, 2, 3, 4, 4])
+        experts = torch.tensor([start, start, end - 1, start + 1, end - 1, start, start + 1])
+        weights = torch.rand(7, generator=g)
+        got = codec.decode(stub.Forward(request_for(layer, x, rows, experts, weights), timeout=30).partial)
+        keys = [ExpertKeys(*(naming.module(layer, e, p) for p in (naming.gate, naming.up, naming.down)))
+                for e in range(start, end)]  # fmt: skip
+        int4 = load_expert_weights(source, keys, quant)
+        want = moe_experts_w4a16_reference(x, rows, experts - start, weights, int4, "silu")
+        assert (got - want).norm() / want.norm() < 1e-2, "bf16 activations in the CPU int4 kernel"
+
+
+def test_forcing_a_backend_that_cannot_run_stops_the_worker_with_the_reason(model_dir):
+    cmd = python_module("expert_server", "--model", str(model_dir("qwen3_moe")), "--worker-index", "0",
+                        "--num-workers", "2", "--port", "0", "--weight-format", "w4a16", "--group-size", "32",
+                        "--kernel-backend", "triton")  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "forced kernel backend 'triton' cannot run" in result.stderr
+
+
+def test_a_16bit_checkpoint_served_as_stored_refuses_a_w4a16_backend(model_dir):
+    with pytest.raises(Exception, match="pass --weight-format w4a16"):
+        ckpt = read_checkpoint(model_dir("qwen3_moe"))
+        load_shard(ckpt, 0, 2, torch.device("cpu"), "checkpoint", kernel_backend="cpu")
