@@ -220,7 +220,7 @@ class _TorchInt4:
     """All experts of one projection as one [E*N, K] int4 matrix in torch's packed layout."""
 
     def __init__(self, weights: Int4Weights, device: torch.device) -> None:
-        e, n, k = weights.num_experts, weights.out_features, weights.in_features
+        e, n = weights.num_experts, weights.out_features
         q = torch.cat([weights.unpacked(i) for i in range(e)])  # [E*N, K] uint8
         scales = weights.scales.reshape(e * n, -1).t()  # [K/G, E*N]
         self.scales_and_zeros = torch.stack([scales, torch.zeros_like(scales)], -1).to(torch.bfloat16).contiguous()

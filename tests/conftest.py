@@ -1,26 +1,12 @@
-"""Shared fixtures: tiny checkpoints, free loopback ports, real worker and vLLM processes."""
+"""Shared fixtures: tiny checkpoints built once per session, and the processes tests start."""
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import tiny_models
-from cluster.launcher import ClusterSpec, stop_pids
-
-HOST = "127.0.0.1"
-# The CPU flags every vLLM in the tests runs with, stock or cluster.
-VLLM_CPU_ARGS = ("--dtype", "bfloat16", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 30))
+from tests.support import Processes
 
 
 @pytest.fixture(scope="session")
@@ -34,100 +20,8 @@ def model_dir(tmp_path_factory):
     return make
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind((HOST, 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-class Processes:
-    """Children started in their own sessions, stopped as groups at teardown."""
-
-    def __init__(self, log_dir: Path):
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        with open(self.log_dir / f"{name}.log", "wb") as log:
-            proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, env={**os.environ, **(env or {})},
-            )  # fmt: skip
-        self.procs[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        return (self.log_dir / f"{name}.log").read_text(errors="replace")
-
-    def stop(self) -> None:
-        stop_pids({n: p.pid for n, p in self.procs.items()}, reap=lambda: [p.poll() for p in self.procs.values()])
-        for p in self.procs.values():
-            p.wait()
-        self.procs.clear()
-
-
-@dataclass
-class Workers:
-    endpoints: list[str]
-    procs: Processes
-    metrics_urls: list[str]
-
-
-def wait_serving(endpoint: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(endpoint) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"worker at {endpoint} exited with {proc.returncode}"
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                time.sleep(0.3)
-    raise TimeoutError(f"worker at {endpoint} not serving after {timeout_s} s")
-
-
-def start_workers(procs: Processes, model: Path, num_workers: int, tag: str, extra_args: tuple[str, ...] = ()) -> Workers:
-    """Real expert_server processes on loopback, one per worker index, each with /metrics."""
-    ports = free_ports(2 * num_workers)
-    ports, metrics_ports = ports[:num_workers], ports[num_workers:]
-    spec = ClusterSpec(model=model, num_workers=num_workers, worker_base_port=0, http_port=0, host=HOST,
-                       run_dir=procs.log_dir, worker_threads=1)  # fmt: skip
-    endpoints = []
-    for i, port in enumerate(ports):
-        cmd = spec.worker_command(i)
-        cmd[cmd.index("--port") + 1] = str(port)
-        procs.start(f"{tag}-worker-{i}", [*cmd, "--metrics-port", str(metrics_ports[i]), *extra_args])
-        endpoints.append(f"{HOST}:{port}")
-    for i, endpoint in enumerate(endpoints):
-        wait_serving(endpoint, procs.procs[f"{tag}-worker-{i}"])
-    return Workers(endpoints, procs, [f"http://{HOST}:{p}/metrics" for p in metrics_ports])
-
-
-def wait_http_ready(base_url: str, proc: subprocess.Popen, log: str, timeout_s: float = 900.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            time.sleep(1.0)
-    raise TimeoutError(f"{base_url} not ready after {timeout_s} s; see {log}")
-
-
 @pytest.fixture(scope="session")
 def processes(tmp_path_factory):
     procs = Processes(tmp_path_factory.mktemp("logs"))
     yield procs
     procs.stop()
-
-
-def python_module(module: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", module, *args]

@@ -1,9 +1,11 @@
 """The product end to end: `python -m cluster up` against stock vLLM on the same checkpoint.
 
-Each architecture gets one stock vLLM server (vLLM's own entry point, plugin
-off) and one cluster (eight real workers + the attention server, started the
-way `make up` starts them). Greedy tokens must match; a token may differ only
-where stock vLLM's own top-2 margin is within bf16 rounding noise.
+Each case gets one stock vLLM server (vLLM's own entry point, plugin off) and
+one cluster (eight real workers + the attention server, started the way
+`make up` starts them). Greedy tokens must match; a token may differ only
+where stock vLLM's own top-2 margin is within bf16 rounding noise. The W4A16
+case serves a compressed-tensors checkpoint whose experts the workers run
+with the CPU int4 kernel, against stock vLLM on the dequantized weights.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import HOST, VLLM_CPU_ARGS, free_ports, python_module, wait_http_ready
+from tests.support import HOST, VLLM_CPU_ARGS, free_ports, python_module, wait_http_ready
+from tiny_models.w4a16 import quantize_experts
 
 pytestmark = pytest.mark.vllm
 
@@ -36,8 +39,23 @@ PROMPTS = [
     "After school the children",
 ]
 MAX_TOKENS = 32
-# Compiled mode is the default (`make up`); one architecture also runs eager.
-MODES = {"qwen3_moe": (), "qwen2_moe": (), "mixtral": ("--enforce-eager",)}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One stock-vs-cluster comparison."""
+
+    arch: str
+    vllm_args: tuple[str, ...] = ()  # compiled mode is vLLM's default and `make up`'s
+    w4a16: bool = False  # cluster serves W4A16 experts; stock serves them dequantized
+
+
+CASES = {
+    "qwen3_moe": Case("qwen3_moe"),
+    "qwen2_moe": Case("qwen2_moe"),  # shared expert on pool A
+    "mixtral": Case("mixtral", ("--enforce-eager",)),
+    "qwen3_moe-w4a16": Case("qwen3_moe", w4a16=True),
+}
 
 
 @dataclass
@@ -102,14 +120,19 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-@pytest.fixture(scope="module", params=list(MODES))
+@pytest.fixture(scope="module", params=list(CASES))
 def servers(request, model_dir, tmp_path_factory):
-    """(arch, stock generations, cluster base url, cluster log) with both servers up."""
-    arch = request.param
-    model = model_dir(arch)
+    """(case name, stock's model, stock generations, cluster base url, launcher) with the cluster up.
+
+    Stock vLLM runs first and is stopped before the cluster starts.
+    """
+    arch, case = request.param, CASES[request.param]
     logs = tmp_path_factory.mktemp(f"cluster-{arch}")
+    model = cluster_model = model_dir(case.arch)
+    if case.w4a16:  # experts packed by compressed-tensors; stock gets the dequantized twin
+        cluster_model, model = quantize_experts(model, logs / "w4a16", logs / "dequantized", group_size=32)
     http_stock, http_cluster, worker_base = free_ports(3)
-    vllm_args = [*VLLM_CPU_ARGS, *MODES[arch]]
+    vllm_args = [*VLLM_CPU_ARGS, *case.vllm_args]
 
     stock_log = logs / "stock.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")}
@@ -129,7 +152,7 @@ def servers(request, model_dir, tmp_path_factory):
     cluster_log = logs / "cluster.log"
     with open(cluster_log, "wb") as log:
         launcher = subprocess.Popen(
-            python_module("cluster", "up", "--model", str(model), "--host", HOST, "--port", str(http_cluster),
+            python_module("cluster", "up", "--model", str(cluster_model), "--host", HOST, "--port", str(http_cluster),
                           "--worker-base-port", str(worker_base), "--run-dir", str(logs / "run"), "--", *vllm_args),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip

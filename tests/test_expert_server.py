@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM
 
-from conftest import start_workers
+from tests.support import start_workers
 from protos import PROTOCOL_VERSION, GRPC_OPTIONS, codec
 from protos import expert_pb2 as pb
 from protos import expert_pb2_grpc as pb_grpc

@@ -7,7 +7,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import python_module, start_workers
+from tests.support import python_module, start_workers
 from expert_server.weights import load_shard
 from kernels.formats import ExpertKeys, SafetensorsDir, load_expert_weights, parse_quant_config
 from kernels.reference import moe_experts_w4a16_reference
@@ -16,7 +16,7 @@ from protos import expert_pb2 as pb
 from protos import expert_pb2_grpc as pb_grpc
 from protos.checkpoint import read_checkpoint
 from protos.placement import Placement
-from test_expert_server import request_for
+from tests.test_expert_server import request_for
 
 NUM_WORKERS = 2
 

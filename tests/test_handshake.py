@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from conftest import python_module, start_workers
+from tests.support import free_ports, python_module, start_workers
 
 NUM_WORKERS = 4
 
@@ -52,8 +52,6 @@ def test_refuses_a_different_worker_count(model_dir, qwen3_workers):
 
 
 def test_refuses_an_unreachable_worker(model_dir, qwen3_workers):
-    from conftest import free_ports
-
     (dead,) = free_ports(1)
     result = attention_server(model_dir("qwen3_moe"), [*qwen3_workers.endpoints[:3], f"127.0.0.1:{dead}"])
     assert result.returncode == 2

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import start_workers
+from tests.support import start_workers
 
 pytestmark = pytest.mark.vllm
 
