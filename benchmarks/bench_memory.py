@@ -17,14 +17,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import psutil
 
 import tiny_models
-from cluster.launcher import ClusterSpec, stop_pids
+from cluster.launcher import ClusterSpec, stop_pids, wait_http_ready
 from protos.checkpoint import read_checkpoint
 
 HOST = "127.0.0.1"
@@ -40,20 +38,6 @@ def tree_memory(pid: int) -> dict[str, float]:
     return {"processes": len(procs), "rss_mib": rss / 2**20, "uss_mib": uss / 2**20}
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            time.sleep(1)
-    raise TimeoutError(url)
-
-
 def settle_and_measure(pid: int) -> dict[str, float]:
     time.sleep(5)  # let start-up garbage be freed
     return tree_memory(pid)
@@ -63,7 +47,7 @@ def measure(cmd: list[str], url: str, log: Path, env: dict[str, str]) -> dict[st
     with log.open("wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
-        wait_ready(url, proc)
+        wait_http_ready(url, [proc], timeout_s=900)
         return settle_and_measure(proc.pid)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,19 +104,11 @@ class Cluster:
         return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Block until /health answers 200; raise if a child exits or time runs out."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if dead := self.exited():
-                raise RuntimeError(f"exited before the cluster was ready: {dead}; logs in {self.spec.run_dir}")
-            try:
-                with urllib.request.urlopen(f"{self.spec.base_url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"cluster not ready after {timeout_s:.0f} s; logs in {self.spec.run_dir}")
+        """Block until the attention server's /health answers; raise if a child exits first."""
+        try:
+            wait_http_ready(self.spec.base_url, self.procs.values(), timeout_s)
+        except (RuntimeError, TimeoutError) as err:
+            raise type(err)(f"{err}; logs in {self.spec.run_dir}") from None
 
     def stop(self) -> None:
         """Attention server first (it holds connections to the workers), then workers."""
@@ -124,6 +117,24 @@ class Cluster:
         for p in self.procs.values():
             p.wait()
         self.state_file.unlink(missing_ok=True)
+
+
+def wait_http_ready(base_url: str, procs: Iterable[subprocess.Popen], timeout_s: float) -> None:
+    """Block until GET {base_url}/health answers 200; raise if one of `procs` exits or time runs out."""
+    procs = list(procs)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if dead := [p for p in procs if p.poll() is not None]:
+            raise RuntimeError(f"exited before {base_url} was ready: " + ", ".join(
+                f"{' '.join(map(str, p.args[1:4]))} (exit {p.returncode})" for p in dead))  # fmt: skip
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{base_url} not ready after {timeout_s:.0f} s")
 
 
 def _alive(pid: int) -> bool:

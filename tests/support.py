@@ -6,8 +6,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,20 +91,6 @@ def start_workers(procs: Processes, model: Path, num_workers: int, tag: str, ext
     for i, endpoint in enumerate(endpoints):
         wait_serving(endpoint, procs.procs[f"{tag}-worker-{i}"])
     return Workers(endpoints, procs, [f"http://{HOST}:{p}/metrics" for p in metrics_ports])
-
-
-def wait_http_ready(base_url: str, proc: subprocess.Popen, log: str, timeout_s: float = 900.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            time.sleep(1.0)
-    raise TimeoutError(f"{base_url} not ready after {timeout_s} s; see {log}")
 
 
 def python_module(module: str, *args: str) -> list[str]:

@@ -23,7 +23,8 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.support import HOST, VLLM_CPU_ARGS, free_ports, python_module, wait_http_ready
+from cluster.launcher import wait_http_ready
+from tests.support import HOST, VLLM_CPU_ARGS, free_ports, python_module
 from tiny_models.w4a16 import quantize_experts
 
 pytestmark = pytest.mark.vllm
@@ -143,7 +144,7 @@ def servers(request, model_dir, tmp_path_factory):
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
         )  # fmt: skip
     try:
-        wait_http_ready(f"http://{HOST}:{http_stock}", stock, str(stock_log))
+        wait_http_ready(f"http://{HOST}:{http_stock}", [stock], timeout_s=900)
         stock_generations = generate(f"http://{HOST}:{http_stock}")
     finally:
         os.killpg(stock.pid, signal.SIGTERM)
@@ -158,7 +159,7 @@ def servers(request, model_dir, tmp_path_factory):
         )  # fmt: skip
     base_url = f"http://{HOST}:{http_cluster}"
     try:
-        wait_http_ready(base_url, launcher, str(cluster_log))
+        wait_http_ready(base_url, [launcher], timeout_s=900)
         yield arch, model, stock_generations, base_url, launcher
     finally:
         if launcher.poll() is None:
