@@ -175,6 +175,7 @@ class ColdExpertSkippingLoader(DefaultModelLoader):
 
 
 _LIBRARY = torch.library.Library("hetero_moe", "DEF")
+LOAD_FORMATS = ("auto", "hf", "safetensors")
 
 
 def install() -> None:
@@ -184,6 +185,14 @@ def install() -> None:
     direct_register_custom_op("dispatch", _dispatch, fake_impl=_dispatch_fake, target_lib=_LIBRARY)
     direct_register_custom_op("combine", _combine, fake_impl=_combine_fake, target_lib=_LIBRARY)
     RoutedExperts.register_oot(RemoteRoutedExperts)
-    for load_format in ("auto", "hf", "safetensors"):
-        register_model_loader(load_format)(ColdExpertSkippingLoader)
-    logger.info("hetero-moe: routed experts are served by remote workers")
+    # Replacing vLLM's default loader is the point; its "already registered,
+    # will be overwritten" warning would only alarm operators.
+    vllm_loader_logger = logging.getLogger("vllm.model_executor.model_loader")
+    level = vllm_loader_logger.level
+    vllm_loader_logger.setLevel(logging.ERROR)
+    try:
+        for load_format in LOAD_FORMATS:
+            register_model_loader(load_format)(ColdExpertSkippingLoader)
+    finally:
+        vllm_loader_logger.setLevel(level)
+    logger.info("hetero-moe: routed experts are served by remote workers; load formats %s skip them", LOAD_FORMATS)
