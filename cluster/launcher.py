@@ -111,9 +111,7 @@ class Cluster:
             raise type(err)(f"{err}; logs in {self.spec.run_dir}") from None
 
     def stop(self) -> None:
-        """Attention server first (it holds connections to the workers), then workers."""
-        order = ["attention", *sorted(n for n in self.procs if n != "attention")]
-        stop_pids({n: self.procs[n].pid for n in order if n in self.procs}, reap=self.exited)
+        stop_in_order({n: p.pid for n, p in self.procs.items()}, reap=self.exited)
         for p in self.procs.values():
             p.wait()
         self.state_file.unlink(missing_ok=True)
@@ -169,11 +167,19 @@ def stop_pids(pids: dict[str, int], reap=lambda: None) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
+def stop_in_order(pids: dict[str, int], reap=lambda: None) -> None:
+    """The attention server first, so it drains while the workers still answer; then the workers."""
+    pids = dict(pids)
+    if "attention" in pids:
+        stop_pids({"attention": pids.pop("attention")}, reap)
+    stop_pids(pids, reap)
+
+
 def stop_detached(run_dir: Path) -> bool:
     """Stop a cluster started with --detach; False when none is recorded there."""
     state = run_dir / "cluster.json"
     if not state.exists():
         return False
-    stop_pids(json.loads(state.read_text()))
+    stop_in_order(json.loads(state.read_text()))
     state.unlink()
     return True
