@@ -265,29 +265,55 @@ def _show(r: Row) -> Row:
 
 
 def triton_sweep(weights, problems, device, iters, copy_bw) -> list[Row]:
-    """Launch configurations of the Triton kernels, each timed on every token count."""
+    """Launch configurations (and weight tilings) of the Triton kernels, each timed on every token count."""
     from kernels.backends.triton_moe import TritonConfig, TritonExperts
 
     base = TritonConfig()
     configs = [
         base,
-        replace(base, ptx_dequant=False),
-        replace(base, block_n_gate_up=32, block_n_down=32),
-        replace(base, block_n_gate_up=32, block_n_down=64, num_warps=2),
-        replace(base, num_warps=2),
-        replace(base, block_n_gate_up=128, block_n_down=128),
-        replace(base, block_n_gate_up=128, block_n_down=128, num_warps=8),
-        replace(base, block_n_down=128),
-        replace(base, num_stages=2),
-        replace(base, num_stages=4),
-        replace(base, block_m=32),
-        replace(base, block_m=64, block_n_down=128, num_warps=8),
+        replace(base, tiles_down=2),
+        replace(base, tiles_down=4),
+        replace(base, tiles_gate_up=2),
+        replace(base, tiles_gate_up=3),
+        replace(base, tiles_gate_up=2, tiles_down=2),
+        replace(base, tiles_gate_up=3, tiles_down=4),
+        replace(base, tiles_gate_up=6, tiles_down=8),
+        replace(base, num_stages_down=4),
+        replace(base, num_stages_down=2),
+        replace(base, tiles_down=2, num_stages_down=4),
+        replace(base, num_warps_down=8),
+        replace(base, block_n_down=64, tiles_down=2),
+        replace(base, block_n_down=64, tiles_down=4),
+        replace(base, tiles_gate_up=2, tiles_down=2, num_stages=4),
+        replace(base, block_n_down=256, num_warps_down=8, tiles_down=2),
     ]
     rows = []
     for config in configs:
         experts = TritonExperts(weights, "silu", device, config)
         rows += run_backend("triton", weights, problems, device, iters, copy_bw, experts, _describe(config))
+        if config is base:
+            triton_breakdown(experts, problems, device, iters)
+        del experts
     return rows
+
+
+def triton_breakdown(experts, problems, device, iters) -> None:
+    """Graph-replay time of each launch alone (route, gate_up, down) next to the whole call."""
+    from kernels.backends.triton_moe import TritonConfig
+
+    for p in problems:
+        cfg = experts.config or TritonConfig.for_load(p.pair_rows.numel(), experts.num_experts)
+        bounds, rows, router = experts.route(p.pair_rows, p.pair_experts, p.pair_weights)
+        act, out = experts.gate_up(p.hidden, bounds, rows, cfg)
+        parts = {
+            "route": lambda p=p: experts.route(p.pair_rows, p.pair_experts, p.pair_weights),
+            "gate_up": lambda: experts.gate_up(p.hidden, bounds, rows, cfg),
+            "down": lambda: experts.down(act, out, bounds, rows, router, cfg),
+            "all": lambda p=p: experts(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights),
+        }
+        times = {name: time_graph(fn, device, iters) for name, fn in parts.items()}
+        print(f"  breakdown M={p.tokens_per_expert}: " + ", ".join(
+            f"{name} {t * 1e6:.1f} us" for name, t in times.items() if t is not None), flush=True)
 
 
 def _describe(config) -> str:

@@ -1,13 +1,19 @@
-"""Triton kernels of the grouped W4A16 MoE: gate_up + activation, then down + router weight.
+"""Triton kernels of the grouped W4A16 MoE: routing, gate_up + activation, then down + router weight.
 
 Layout (made by kernels.backends.triton_moe from the canonical one), per projection [E, N, K]:
-  w: [E, N, K/2] uint8. Within each group block of G input columns starting at k0,
-     byte j (0 <= j < G/2) = q[k0 + j] | q[k0 + G/2 + j] << 4, so the low nibbles of a block
-     multiply x[k0 : k0+G/2] and the high nibbles x[k0+G/2 : k0+G]: two tl.dot calls, no shuffles.
-  s: [E, K/G, N] float32 signed scales, N contiguous.
-One program owns (expert e, BLOCK_N output columns) and walks that expert's pairs in BLOCK_M
-chunks (pairs are grouped by expert: order[bounds[e]:bounds[e+1]]). The group scale is applied
-to each group's partial dot in fp32, not to the weights.
+  w: [E, Np/BN, Kp/BK, BN, BK/4] int16: tiles of BN output rows x BK inputs, each tile one
+     contiguous block (a program's loads stream whole tiles). Np, Kp: N, K rounded up to BN, BK;
+     gate_up holds the gate rows then the up rows, each padded to Ip. Q = BK/4; element (n, c) of
+     tile (nb, b) holds the four nibbles of k = b*BK + i*Q + c, i = 0..3, nibble i in bits 4i..4i+3.
+     Two adjacent elements form one 32-bit register, so one lop3 turns nibble i of both into a
+     bf16x2/f16x2 pair: four registers per word, three shifts, no byte shuffles. Quarter i is its
+     own tl.dot with the matching Q columns of x (16-bit operands on both sides, ldmatrix-friendly).
+  s: [E, Kp/G, Np] float32 signed scales (zero in the padding), N contiguous; the scale multiplies
+     each group's fp32 partial dot, not the weights.
+Routing: route_kernel (one program) groups the pairs by expert: bounds [E+1], and per sorted
+position the row and router weight, so gate_up reads x rows with one indirection and down reads
+act rows contiguously. One program owns (expert e, BN output columns) and walks that expert's
+pairs in BLOCK_M chunks. gate_up also zeroes a slice of `out`, which down accumulates into.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ ACTIVATION_CODES = {"silu": 0, "gelu": 1}
 
 @triton.jit
 def _nibbles_to_float(q, IS_BF16: tl.constexpr):
-    """uint8 nibbles in 0..15 -> (q - 8) exactly, in fp16 or bf16, with the exponent-bias trick.
+    """int32 nibbles in 0..15 -> (q - 8) exactly, in fp16 or bf16, with the exponent-bias trick.
 
     OR-ing q into the mantissa of 1024.0 (fp16 0x6400) or 128.0 (bf16 0x4300) gives 1024 + q or
     128 + q exactly; one subtraction removes the bias and the zero point.
@@ -32,62 +38,82 @@ def _nibbles_to_float(q, IS_BF16: tl.constexpr):
     return f
 
 
-def _ptx_split(bias: str, fix: str) -> str:
-    """PTX for 4 packed bytes ($4) -> low nibbles ($0, $1) and high nibbles ($2, $3), two per register.
+def _ptx_quarters(bias: str, fix: str) -> str:
+    """PTX: $4 = two int16 elements (bits 0-15, 16-31) -> $i = nibble i of both, as a 16-bit pair.
 
-    prmt spreads bytes b0, b1 (b2, b3) into the two 16-bit halves; lop3 masks one nibble per half
-    and ORs in the exponent bias (1024 fp16 / 128 bf16), one paired op removes bias + 8.
+    lop3 keeps one nibble per half and ORs in the exponent bias (1024 fp16 / 128 bf16); one paired
+    op removes bias + 8.
     """
-    return f"""{{
-    .reg .b32 t0, t1, u0, u1, mask, bias, k0, k1;
-    mov.b32 mask, 0x000F000F;
-    mov.b32 bias, {bias};
-    prmt.b32 t0, $4, 0, 0x4140;
-    prmt.b32 t1, $4, 0, 0x4342;
-    lop3.b32 u0, t0, mask, bias, 0xEA;
-    lop3.b32 u1, t1, mask, bias, 0xEA;
-    {fix.format(out="$0", x="u0")}
-    {fix.format(out="$1", x="u1")}
-    shr.b32 t0, t0, 4;
-    shr.b32 t1, t1, 4;
-    lop3.b32 u0, t0, mask, bias, 0xEA;
-    lop3.b32 u1, t1, mask, bias, 0xEA;
-    {fix.format(out="$2", x="u0")}
-    {fix.format(out="$3", x="u1")}
-}}"""
+    body = [f"lop3.b32 u, $4, 0x000F000F, {bias}, 0xEA;", fix.format(out="$0", x="u")]
+    for i in (1, 2, 3):
+        body += [f"shr.b32 t, $4, {4 * i};", f"lop3.b32 u, t, 0x000F000F, {bias}, 0xEA;", fix.format(out=f"${i}", x="u")]
+    return "{\n.reg .b32 t, u, k0, k1;\n" + "\n".join(body) + "\n}"
 
 
 # fp16: 1024 + q - 1032; bf16: 1.0 * (128 + q) - 136 (fma: bf16x2 sub needs sm_90)
-_PTX_F16 = tl.constexpr(_ptx_split("0x64006400", "mov.b32 k0, 0x64086408; sub.f16x2 {out}, {x}, k0;"))
+_PTX_F16 = tl.constexpr(_ptx_quarters("0x64006400", "mov.b32 k0, 0x64086408; sub.f16x2 {out}, {x}, k0;"))
 _PTX_BF16 = tl.constexpr(
-    _ptx_split("0x43004300", "mov.b32 k0, 0x3F803F80; mov.b32 k1, 0xC308C308; fma.rn.bf16x2 {out}, {x}, k0, k1;")
+    _ptx_quarters("0x43004300", "mov.b32 k0, 0x3F803F80; mov.b32 k1, 0xC308C308; fma.rn.bf16x2 {out}, {x}, k0, k1;")
 )
 
 
 @triton.jit
-def _split_nibbles(w, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr):
-    """w [G/2, BN] packed bytes -> (low nibbles - 8, high nibbles - 8) in the activation dtype."""
+def _split_quarters(w, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr):
+    """w [..] int16, four nibbles each -> four tensors of (nibble i - 8) in the activation dtype."""
     if USE_PTX:
         if IS_BF16:
-            lo, hi = tl.inline_asm_elementwise(
-                _PTX_BF16, "=r,=r,=r,=r,r", [w], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+            q0, q1, q2, q3 = tl.inline_asm_elementwise(
+                _PTX_BF16, "=r,=r,=r,=r,r", [w], dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+                is_pure=True, pack=2,
             )
         else:
-            lo, hi = tl.inline_asm_elementwise(
-                _PTX_F16, "=r,=r,=r,=r,r", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
+            q0, q1, q2, q3 = tl.inline_asm_elementwise(
+                _PTX_F16, "=r,=r,=r,=r,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                is_pure=True, pack=2,
             )
     else:
-        lo = _nibbles_to_float(w & 0xF, IS_BF16)
-        hi = _nibbles_to_float(w >> 4, IS_BF16)
-    return lo, hi
+        v = w.to(tl.int32)
+        q0 = _nibbles_to_float(v & 0xF, IS_BF16)
+        q1 = _nibbles_to_float((v >> 4) & 0xF, IS_BF16)
+        q2 = _nibbles_to_float((v >> 8) & 0xF, IS_BF16)
+        q3 = _nibbles_to_float((v >> 12) & 0xF, IS_BF16)
+    return q0, q1, q2, q3
 
 
 @triton.jit
-def _group_dot(a_lo, a_hi, w, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr):
-    """a_lo, a_hi [BM, G/2] activations; w [G/2, BN] packed bytes -> [BM, BN] fp32 partial dot."""
-    lo, hi = _split_nibbles(w, IS_BF16, USE_PTX)
-    acc = tl.dot(a_lo, lo)
-    return tl.dot(a_hi, hi, acc)
+def _load_x(ptrs, row_mask, cols, K, EVEN_K: tl.constexpr):
+    """[BM, Q] activations; rows past the expert's pairs and columns past K read as 0."""
+    if EVEN_K:
+        return tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    return tl.load(ptrs, mask=row_mask[:, None] & (cols[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_ptrs, b, stride_sg,
+                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """acc [BM, BN] += sum over quarters i of (x_i @ w_i) * scale of the quarter's group, in fp32.
+
+    Quarter i of block b covers k in [b*BLOCK_K + i*Q, +Q), Q = BLOCK_K/4 <= GROUP.
+    """
+    if GROUP >= BLOCK_K:  # the whole block lies in one group
+        s = tl.load(s_ptrs + ((b * BLOCK_K) // GROUP) * stride_sg)
+        p = tl.dot(x3, w3, tl.dot(x2, w2, tl.dot(x1, w1, tl.dot(x0, w0))))
+        acc += p * s[None, :]
+    elif GROUP * 2 == BLOCK_K:  # quarters 0-1 and 2-3
+        s0 = tl.load(s_ptrs + (2 * b) * stride_sg)
+        s1 = tl.load(s_ptrs + (2 * b + 1) * stride_sg)
+        acc += tl.dot(x1, w1, tl.dot(x0, w0)) * s0[None, :]
+        acc += tl.dot(x3, w3, tl.dot(x2, w2)) * s1[None, :]
+    else:  # GROUP * 4 == BLOCK_K: one group per quarter
+        s0 = tl.load(s_ptrs + (4 * b) * stride_sg)
+        s1 = tl.load(s_ptrs + (4 * b + 1) * stride_sg)
+        s2 = tl.load(s_ptrs + (4 * b + 2) * stride_sg)
+        s3 = tl.load(s_ptrs + (4 * b + 3) * stride_sg)
+        acc += tl.dot(x0, w0) * s0[None, :]
+        acc += tl.dot(x1, w1) * s1[None, :]
+        acc += tl.dot(x2, w2) * s2[None, :]
+        acc += tl.dot(x3, w3) * s3[None, :]
+    return acc
 
 
 @triton.jit
@@ -99,81 +125,171 @@ def _activate(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def route_kernel(
+    experts_ptr, rows_ptr, weights_ptr, P,  # [P] local expert, row, router weight of each pair
+    bounds_ptr, srows_ptr, sweights_ptr,  # out: [E+1] int32; [P] int32 rows, [P] fp32 weights by expert
+    E, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """One program: pairs grouped by expert (counting sort; order within an expert is arbitrary).
+
+    bounds is first the per-expert counter: atomics hand out each pair's rank within its expert,
+    an exclusive cumsum of the counts gives the starts, position = start + rank.
+    """
+    offs = tl.arange(0, BLOCK_P)
+    valid = offs < P
+    ex = tl.load(experts_ptr + offs, mask=valid, other=0).to(tl.int32)
+    rows = tl.load(rows_ptr + offs, mask=valid, other=0).to(tl.int32)
+    router = tl.load(weights_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    offs_e = tl.arange(0, BLOCK_E)
+    tl.store(bounds_ptr + offs_e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=offs_e <= E)
+    tl.debug_barrier()
+    rank = tl.atomic_add(bounds_ptr + ex, 1, mask=valid, sem="relaxed")  # the barrier orders them
+    tl.debug_barrier()
+    counts = tl.load(bounds_ptr + offs_e, mask=offs_e < E, other=0, volatile=True)
+    starts = tl.cumsum(counts, 0) - counts  # starts[E] = P
+    tl.debug_barrier()
+    tl.store(bounds_ptr + offs_e, starts, mask=offs_e <= E)
+    tl.debug_barrier()
+    pos = tl.load(bounds_ptr + ex, mask=valid, other=0, volatile=True) + rank
+    tl.store(srows_ptr + pos, rows, mask=valid)
+    tl.store(sweights_ptr + pos, router, mask=valid)
+
+
+@triton.jit
+def _tile_and_block(t, kb, TILES: tl.constexpr):
+    """Step t of a program's flattened loop over TILES row tiles x kb K-blocks -> (tile, block)."""
+    if TILES == 1:
+        return 0, t
+    tile = t // kb
+    return tile, t - tile * kb
+
+
+@triton.jit
+def _gate_up_epilogue(acc_gate, acc_up, act_ptr, stride_at, offs_m, m_mask, offs_n, I, ACTIVATION: tl.constexpr):
+    y = _activate(acc_gate, ACTIVATION) * acc_up  # [BM, BN] fp32
+    out = act_ptr + offs_m[:, None] * stride_at + offs_n[None, :]
+    tl.store(out, y.to(act_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n[None, :] < I))
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr, stride_xt,  # [T, H] fp16/bf16 hidden rows
-    rows_ptr, order_ptr, bounds_ptr,  # [P] pair rows, [P] int32 pairs by expert, [E+1] int32
-    w_ptr, stride_we, stride_wn,  # [E, 2I, H/2] uint8
-    s_ptr, stride_se, stride_sg,  # [E, H/G, 2I] fp32
+    srows_ptr, bounds_ptr,  # [P] int32 row of each sorted position, [E+1] int32
+    w_ptr, stride_we, stride_wt,  # [E, 2*Ip/BN, Hp/BK, BN, BK/4] int16: expert, row-tile strides
+    s_ptr, stride_se, stride_sg,  # [E, Hp/G, 2*Ip] fp32
     act_ptr, stride_at,  # [P, I] out: act(gate) * up, at each pair's sorted position
-    I, H,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    zero_ptr, zero_numel, zero_chunk,  # fp32 buffer this kernel zeroes (the down kernel's output)
+    I, Ip, H,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr,
+    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, ZERO_BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):
+    """Program (e, j) owns gate/up row tiles j*TILES .. j*TILES+TILES-1 of expert e, streamed back to back."""
     e = tl.program_id(0)
+    # this program's slice of the output buffer
+    pid = e * tl.num_programs(1) + tl.program_id(1)
+    z_end = tl.minimum(pid * zero_chunk + zero_chunk, zero_numel)
+    for z in range(pid * zero_chunk, z_end, ZERO_BLOCK):
+        offs_z = z + tl.arange(0, ZERO_BLOCK)
+        tl.store(zero_ptr + offs_z, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=offs_z < z_end)
+
     start = tl.load(bounds_ptr + e)
     end = tl.load(bounds_ptr + e + 1)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] gate rows; up rows are + I
-    n_mask = offs_n < I
-    offs_j = tl.arange(0, GROUP // 2)  # [G/2]
-    w_gate = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_j[:, None]  # [G/2, BN]
-    w_up = w_gate + I * stride_wn
-    s_gate = s_ptr + e * stride_se + offs_n  # [BN]
-    s_up = s_gate + I
+    nb0 = tl.program_id(1) * TILES
+    offs_bn = tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, BLOCK_K // 4)
+    in_tile = offs_bn[None, :] * (BLOCK_K // 4) + offs_c[:, None]  # [Q, BN] within a tile
+    w_gate = w_ptr + e * stride_we + nb0 * stride_wt + in_tile
+    w_up = w_gate + (Ip // BLOCK_N) * stride_wt
+    s_gate = s_ptr + e * stride_se + nb0 * BLOCK_N + offs_bn  # [BN]
+    s_up = s_gate + Ip
+    kb = tl.cdiv(H, BLOCK_K)
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM] sorted positions
         m_mask = offs_m < end
-        pairs = tl.load(order_ptr + offs_m, mask=m_mask, other=0)
-        rows = tl.load(rows_ptr + pairs, mask=m_mask, other=0)
-        x_lo = x_ptr + rows[:, None] * stride_xt + offs_j[None, :]  # [BM, G/2]
+        rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
+        x_base = x_ptr + rows[:, None] * stride_xt + offs_c[None, :]  # [BM, Q]
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for g in range(0, H // GROUP):
-            a_lo = tl.load(x_lo + g * GROUP, mask=m_mask[:, None], other=0.0)
-            a_hi = tl.load(x_lo + g * GROUP + GROUP // 2, mask=m_mask[:, None], other=0.0)
-            wg = tl.load(w_gate + g * (GROUP // 2), mask=n_mask[None, :], other=0)
-            wu = tl.load(w_up + g * (GROUP // 2), mask=n_mask[None, :], other=0)
-            sg = tl.load(s_gate + g * stride_sg, mask=n_mask, other=0.0)
-            su = tl.load(s_up + g * stride_sg, mask=n_mask, other=0.0)
-            acc_gate += _group_dot(a_lo, a_hi, wg, IS_BF16, USE_PTX) * sg[None, :]
-            acc_up += _group_dot(a_lo, a_hi, wu, IS_BF16, USE_PTX) * su[None, :]
-        y = _activate(acc_gate, ACTIVATION) * acc_up  # [BM, BN] fp32
-        out = act_ptr + offs_m[:, None] * stride_at + offs_n[None, :]
-        tl.store(out, y.to(act_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        for t in tl.range(0, TILES * kb, num_stages=NUM_STAGES):
+            tile, b = _tile_and_block(t, kb, TILES)
+            wg = tl.load(w_gate + tile * stride_wt + b * (BLOCK_N * BLOCK_K // 4))
+            wu = tl.load(w_up + tile * stride_wt + b * (BLOCK_N * BLOCK_K // 4))
+            k0 = b * BLOCK_K + offs_c
+            x0 = _load_x(x_base + b * BLOCK_K, m_mask, k0, H, EVEN_K)
+            x1 = _load_x(x_base + b * BLOCK_K + BLOCK_K // 4, m_mask, k0 + BLOCK_K // 4, H, EVEN_K)
+            x2 = _load_x(x_base + b * BLOCK_K + 2 * (BLOCK_K // 4), m_mask, k0 + 2 * (BLOCK_K // 4), H, EVEN_K)
+            x3 = _load_x(x_base + b * BLOCK_K + 3 * (BLOCK_K // 4), m_mask, k0 + 3 * (BLOCK_K // 4), H, EVEN_K)
+            g0, g1, g2, g3 = _split_quarters(wg, IS_BF16, USE_PTX)
+            u0, u1, u2, u3 = _split_quarters(wu, IS_BF16, USE_PTX)
+            acc_gate = _scaled_block(acc_gate, x0, x1, x2, x3, g0, g1, g2, g3, s_gate + tile * BLOCK_N, b, stride_sg,
+                                     BLOCK_K, GROUP)
+            acc_up = _scaled_block(acc_up, x0, x1, x2, x3, u0, u1, u2, u3, s_up + tile * BLOCK_N, b, stride_sg,
+                                   BLOCK_K, GROUP)
+            if TILES > 1:
+                if b == kb - 1:
+                    offs_n = (nb0 + tile) * BLOCK_N + offs_bn
+                    _gate_up_epilogue(acc_gate, acc_up, act_ptr, stride_at, offs_m, m_mask, offs_n, I, ACTIVATION)
+                    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if TILES == 1:
+            _gate_up_epilogue(acc_gate, acc_up, act_ptr, stride_at, offs_m, m_mask, nb0 * BLOCK_N + offs_bn, I,
+                              ACTIVATION)
+
+
+@triton.jit
+def _down_epilogue(acc, router, rows, out_ptr, stride_ot, m_mask, offs_n, H):
+    out = out_ptr + rows[:, None] * stride_ot + offs_n[None, :]
+    tl.atomic_add(out, acc * router[:, None], mask=m_mask[:, None] & (offs_n[None, :] < H), sem="relaxed")
 
 
 @triton.jit
 def down_kernel(
     act_ptr, stride_at,  # [P, I] fp16/bf16, sorted positions
-    rows_ptr, weights_ptr, order_ptr, bounds_ptr,  # [P] pair rows, [P] fp32 router weights, [P], [E+1]
-    w_ptr, stride_we, stride_wn,  # [E, H, I/2] uint8
-    s_ptr, stride_se, stride_sg,  # [E, I/G, H] fp32
+    srows_ptr, sweights_ptr, bounds_ptr,  # [P] int32 rows, [P] fp32 router weights (sorted), [E+1]
+    w_ptr, stride_we, stride_wt,  # [E, Hp/BN, Ip/BK, BN, BK/4] int16
+    s_ptr, stride_se, stride_sg,  # [E, Ip/G, Hp] fp32
     out_ptr, stride_ot,  # [T, H] fp32, accumulated with atomics (a row's pairs live in other programs)
     H, I,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_BF16: tl.constexpr, USE_PTX: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    TILES: tl.constexpr,
 ):
+    """Program (e, j) owns output tiles j*TILES .. j*TILES+TILES-1 of expert e, streamed back to back."""
     e = tl.program_id(0)
     start = tl.load(bounds_ptr + e)
     end = tl.load(bounds_ptr + e + 1)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_mask = offs_n < H
-    offs_j = tl.arange(0, GROUP // 2)
-    w_base = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_j[:, None]  # [G/2, BN]
-    s_base = s_ptr + e * stride_se + offs_n
+    nb0 = tl.program_id(1) * TILES
+    offs_bn = tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, BLOCK_K // 4)
+    in_tile = offs_bn[None, :] * (BLOCK_K // 4) + offs_c[:, None]  # [Q, BN]
+    w_base = w_ptr + e * stride_we + nb0 * stride_wt + in_tile
+    s_base = s_ptr + e * stride_se + nb0 * BLOCK_N + offs_bn
+    kb = tl.cdiv(I, BLOCK_K)
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < end
-        pairs = tl.load(order_ptr + offs_m, mask=m_mask, other=0)
-        rows = tl.load(rows_ptr + pairs, mask=m_mask, other=0)
-        router = tl.load(weights_ptr + pairs, mask=m_mask, other=0.0)  # [BM]
-        a_base = act_ptr + offs_m[:, None] * stride_at + offs_j[None, :]  # [BM, G/2]
+        a_base = act_ptr + offs_m[:, None] * stride_at + offs_c[None, :]  # [BM, Q]
+        if TILES > 1:  # the epilogue runs inside the loop
+            rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
+            router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)  # [BM]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for g in range(0, I // GROUP):
-            a_lo = tl.load(a_base + g * GROUP, mask=m_mask[:, None], other=0.0)
-            a_hi = tl.load(a_base + g * GROUP + GROUP // 2, mask=m_mask[:, None], other=0.0)
-            w = tl.load(w_base + g * (GROUP // 2), mask=n_mask[None, :], other=0)
-            s = tl.load(s_base + g * stride_sg, mask=n_mask, other=0.0)
-            acc += _group_dot(a_lo, a_hi, w, IS_BF16, USE_PTX) * s[None, :]
-        acc = acc * router[:, None]
-        out = out_ptr + rows[:, None] * stride_ot + offs_n[None, :]
-        tl.atomic_add(out, acc, mask=m_mask[:, None] & n_mask[None, :])
+        for t in tl.range(0, TILES * kb, num_stages=NUM_STAGES):
+            tile, b = _tile_and_block(t, kb, TILES)
+            w = tl.load(w_base + tile * stride_wt + b * (BLOCK_N * BLOCK_K // 4))
+            k0 = b * BLOCK_K + offs_c
+            x0 = _load_x(a_base + b * BLOCK_K, m_mask, k0, I, EVEN_K)
+            x1 = _load_x(a_base + b * BLOCK_K + BLOCK_K // 4, m_mask, k0 + BLOCK_K // 4, I, EVEN_K)
+            x2 = _load_x(a_base + b * BLOCK_K + 2 * (BLOCK_K // 4), m_mask, k0 + 2 * (BLOCK_K // 4), I, EVEN_K)
+            x3 = _load_x(a_base + b * BLOCK_K + 3 * (BLOCK_K // 4), m_mask, k0 + 3 * (BLOCK_K // 4), I, EVEN_K)
+            w0, w1, w2, w3 = _split_quarters(w, IS_BF16, USE_PTX)
+            acc = _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_base + tile * BLOCK_N, b, stride_sg,
+                                BLOCK_K, GROUP)
+            if TILES > 1:
+                if b == kb - 1:
+                    _down_epilogue(acc, router, rows, out_ptr, stride_ot, m_mask, (nb0 + tile) * BLOCK_N + offs_bn, H)
+                    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if TILES == 1:
+            rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
+            router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)  # [BM]
+            _down_epilogue(acc, router, rows, out_ptr, stride_ot, m_mask, nb0 * BLOCK_N + offs_bn, H)

@@ -1,7 +1,8 @@
-"""Triton backend: grouped W4A16 MoE on CUDA and ROCm (gfx11) GPUs, two launches per layer.
+"""Triton backend: grouped W4A16 MoE on CUDA and ROCm (gfx11) GPUs, three launches per layer.
 
-    pairs --sort by expert--> order, bounds
-    gate_up_kernel: x[rows] @ w13[e]^T -> act(gate) * up        [P, I]  (fp16/bf16)
+    route_kernel:   pairs grouped by expert -> bounds, rows, router weights  (one program; torch.sort
+                    above ROUTE_MAX_PAIRS)
+    gate_up_kernel: x[rows] @ w13[e]^T -> act(gate) * up        [P, I]  (fp16/bf16); zeroes out
     down_kernel:    act @ w2[e]^T * router weight -> atomic add  [T, H]  (fp32)
 Kernels and weight layout: kernels/triton_w4a16.py.
 """
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backends.base import ExpertBackend, PairsByExpert, PreparedExperts, Support
+from kernels.backends.base import ExpertBackend, PreparedExperts, Support
 from kernels.quant import Int4Weights, QuantScheme, W4A16ExpertWeights, unpack_int4
 
 GROUP_SIZES = (32, 64, 128, 256)
@@ -22,18 +23,21 @@ GROUP_SIZES = (32, 64, 128, 256)
 class TritonConfig:
     """Launch parameters; `for_load` picks them from the average pairs per expert.
 
-    H200, Qwen3-30B-A3B shapes (results/bench_kernel_h200.json sweep): the default was the best
-    or within 1% of it at 1-16 tokens per expert; at 64, block_m=32 took 572 us against 654 us
-    for 16 and 806 us for block_m=64 with 8 warps (which compiles to wgmma and stages the
-    dequantized weights through shared memory).
+    block_k is also the weight layout's block (64 or 128): TritonExperts packs for it.
+    num_warps_down / num_stages_down default to num_warps / num_stages.
     """
 
     block_m: int = 16
     block_n_gate_up: int = 64
-    block_n_down: int = 64
+    block_n_down: int = 128
     num_warps: int = 4
     num_stages: int = 3
     ptx_dequant: bool = True  # CUDA only: PTX nibble unpacking (kernels/triton_w4a16.py)
+    block_k: int = 128
+    num_warps_down: int | None = None
+    num_stages_down: int | None = None
+    tiles_gate_up: int = 1  # row tiles one program streams back to back (1 if it does not divide)
+    tiles_down: int = 1
 
     @classmethod
     def for_load(cls, num_pairs: int, num_experts: int) -> TritonConfig:
@@ -66,24 +70,47 @@ class TritonBackend(ExpertBackend):
         return TritonExperts(weights, activation, device)
 
 
+ROUTE_MAX_PAIRS = 8192  # more pairs: torch sort instead of the one-program route kernel
+BLOCK_KS = (64, 128)
+
+
 @dataclass(frozen=True, slots=True)
 class TritonProjection:
-    """w [E, N, K/2] uint8 in group-block nibble order, s [E, K/G, N] fp32."""
+    """w [E, Np/BN, Kp/BK, BN, BK/4] int16 tiles, s [E, Kp/G, Np] fp32 (kernels/triton_w4a16.py).
+
+    Np, Kp: N, K rounded up to block_n, block_k (`parts` > 1: each of that many equal row ranges,
+    gate and up, padded separately); padded weights are 0 with scale 0.
+    """
 
     w: torch.Tensor
     s: torch.Tensor
     group_size: int
+    block_k: int
+    block_n: int
+    padded_rows: int  # rows of one part after padding
 
     @classmethod
-    def from_int4(cls, weights: Int4Weights, device: torch.device) -> TritonProjection:
-        g = weights.group_size
-        blocks = []
+    def from_int4(
+        cls, weights: Int4Weights, device: torch.device, block_k: int = 128, block_n: int = 64, parts: int = 1,
+    ) -> TritonProjection:
+        assert block_k in BLOCK_KS, f"block_k must be one of {BLOCK_KS}"
+        g, k, n = weights.group_size, weights.in_features, weights.out_features // parts
+        q_cols = block_k // 4
+        assert g >= q_cols and g % q_cols == 0, f"group {g} is smaller than a quarter block {q_cols}"
+        kp, np_ = _cdiv(k, block_k) * block_k, _cdiv(n, block_n) * block_n
+        tiles = []
         for e in range(weights.num_experts):
-            q = unpack_int4(weights.packed[e].to(device))  # [N, K]
-            q = q.unflatten(-1, (-1, 2, g // 2))  # [N, K/G, 2, G/2]
-            blocks.append((q[..., 0, :] | (q[..., 1, :] << 4)).flatten(-2))  # [N, K/2]
-        scales = weights.scales.to(device=device, dtype=torch.float32).transpose(1, 2).contiguous()
-        return cls(torch.stack(blocks), scales, g)
+            q = unpack_int4(weights.packed[e].to(device)).to(torch.int32)  # [parts*N, K]
+            q = torch.nn.functional.pad(q.unflatten(0, (parts, n)), (0, kp - k, 0, np_ - n))  # [parts, Np, Kp]
+            q = q.unflatten(-1, (kp // block_k, 4, q_cols))  # [parts, Np, Kp/BK, 4, Q]
+            word = q[..., 0, :] | (q[..., 1, :] << 4) | (q[..., 2, :] << 8) | (q[..., 3, :] << 12)
+            word = torch.where(word >= 1 << 15, word - (1 << 16), word).to(torch.int16)  # [parts, Np, Kp/BK, Q]
+            word = word.unflatten(1, (np_ // block_n, block_n)).permute(0, 1, 3, 2, 4)  # [parts, Np/BN, Kp/BK, BN, Q]
+            tiles.append(word.flatten(0, 1).contiguous())
+        scales = weights.scales.to(device=device, dtype=torch.float32).unflatten(1, (parts, n))  # [E, parts, N, K/G]
+        scales = torch.nn.functional.pad(scales, (0, kp // g - k // g, 0, np_ - n))  # kp % g == 0
+        scales = scales.flatten(1, 2).transpose(1, 2).contiguous()  # [E, Kp/G, parts*Np]
+        return cls(torch.stack(tiles), scales, g, block_k, block_n, np_)
 
 
 class TritonExperts(PreparedExperts):
@@ -98,46 +125,95 @@ class TritonExperts(PreparedExperts):
         self.num_experts = weights.num_experts
         self.hidden_size = weights.hidden_size
         self.intermediate_size = weights.intermediate_size
-        self.w13 = TritonProjection.from_int4(weights.w13, device)
-        self.w2 = TritonProjection.from_int4(weights.w2, device)
+        layout = config or TritonConfig()
+        self.w13 = TritonProjection.from_int4(weights.w13, device, layout.block_k, layout.block_n_gate_up, parts=2)
+        self.w2 = TritonProjection.from_int4(weights.w2, device, layout.block_k, layout.block_n_down)
         self.config = config
 
+    def route(self, pair_rows, pair_experts, pair_weights):
+        """-> bounds [E+1] int32, rows [P] int32 and router weights [P] fp32 grouped by expert."""
+        e, p, dev = self.num_experts, pair_rows.numel(), pair_rows.device
+        if p > ROUTE_MAX_PAIRS:
+            sorted_experts, order = torch.sort(pair_experts, stable=True)
+            experts = torch.arange(e + 1, device=dev, dtype=sorted_experts.dtype)
+            bounds = torch.searchsorted(sorted_experts, experts).to(torch.int32)
+            return bounds, pair_rows[order].to(torch.int32), pair_weights[order].to(torch.float32)
+        bounds = torch.empty(e + 1, dtype=torch.int32, device=dev)
+        rows = torch.empty(p, dtype=torch.int32, device=dev)
+        router = torch.empty(p, dtype=torch.float32, device=dev)
+        block_p = max(16, _next_pow2(p))
+        self.kernels.route_kernel[(1,)](
+            pair_experts, pair_rows, pair_weights, p, bounds, rows, router, e,
+            BLOCK_P=block_p, BLOCK_E=_next_pow2(e + 1), num_warps=min(16, max(4, block_p // 256)),
+        )
+        return bounds, rows, router
+
     def __call__(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
-        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         x = hidden if hidden.dtype in (torch.float16, torch.bfloat16) else hidden.to(torch.bfloat16)
         x = x.contiguous()  # [T, H]
         num_pairs = pair_rows.numel()
-        cfg = self.config or TritonConfig.for_load(num_pairs, e)
-        groups = PairsByExpert.group(pair_experts, e)
-        router = pair_weights.to(torch.float32)
-        act = torch.empty(num_pairs, i, dtype=x.dtype, device=x.device)  # [P, I]
-        out = torch.zeros(x.shape[0], h, dtype=torch.float32, device=x.device)  # [T, H]
-        is_bf16 = x.dtype == torch.bfloat16
-        use_ptx = cfg.ptx_dequant and x.is_cuda and torch.version.hip is None
-        w13, w2 = self.w13, self.w2
-        self.kernels.gate_up_kernel[(e, _cdiv(i, cfg.block_n_gate_up))](
+        if num_pairs == 0:
+            return torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
+        cfg = self.config or TritonConfig.for_load(num_pairs, self.num_experts)  # same tiles as the default
+        bounds, rows, router = self.route(pair_rows, pair_experts, pair_weights)
+        act, out = self.gate_up(x, bounds, rows, cfg)
+        self.down(act, out, bounds, rows, router, cfg)
+        return out
+
+    def gate_up(self, x, bounds, rows, cfg: TritonConfig):
+        """-> act [P, I] in x's dtype (sorted positions), out [T, H] fp32 zeroed for `down`."""
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        act = torch.empty(rows.numel(), i, dtype=x.dtype, device=x.device)  # [P, I]
+        out = torch.empty(x.shape[0], h, dtype=torch.float32, device=x.device)  # [T, H], zeroed by gate_up
+        w13 = self.w13
+        tiles = _tiles(w13.padded_rows // w13.block_n, cfg.tiles_gate_up)
+        grid = (e, w13.padded_rows // w13.block_n // tiles)
+        zero_chunk = _cdiv(_cdiv(out.numel(), grid[0] * grid[1]), 64) * 64
+        self.kernels.gate_up_kernel[grid](
             x, x.stride(0),
-            pair_rows, groups.order, groups.bounds,
+            rows, bounds,
             w13.w, w13.w.stride(0), w13.w.stride(1),
             w13.s, w13.s.stride(0), w13.s.stride(1),
             act, act.stride(0),
-            i, h,
-            GROUP=w13.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up,
-            ACTIVATION=self.activation, IS_BF16=is_bf16, USE_PTX=use_ptx,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            out, out.numel(), zero_chunk,
+            i, w13.padded_rows, h,
+            GROUP=w13.group_size, BLOCK_K=w13.block_k, BLOCK_M=cfg.block_m, BLOCK_N=w13.block_n,
+            ACTIVATION=self.activation, IS_BF16=x.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, x),
+            EVEN_K=h % w13.block_k == 0, NUM_STAGES=cfg.num_stages, ZERO_BLOCK=1024, TILES=tiles,
+            num_warps=cfg.num_warps,
         )
-        self.kernels.down_kernel[(e, _cdiv(h, cfg.block_n_down))](
+        return act, out
+
+    def down(self, act, out, bounds, rows, router, cfg: TritonConfig) -> None:
+        """out[rows] += router * (act @ w2^T), with atomics."""
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        w2 = self.w2
+        tiles = _tiles(w2.padded_rows // w2.block_n, cfg.tiles_down)
+        self.kernels.down_kernel[(e, w2.padded_rows // w2.block_n // tiles)](
             act, act.stride(0),
-            pair_rows, router, groups.order, groups.bounds,
+            rows, router, bounds,
             w2.w, w2.w.stride(0), w2.w.stride(1),
             w2.s, w2.s.stride(0), w2.s.stride(1),
             out, out.stride(0),
             h, i,
-            GROUP=w2.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, IS_BF16=is_bf16, USE_PTX=use_ptx,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            GROUP=w2.group_size, BLOCK_K=w2.block_k, BLOCK_M=cfg.block_m, BLOCK_N=w2.block_n,
+            IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), EVEN_K=i % w2.block_k == 0,
+            NUM_STAGES=cfg.num_stages_down or cfg.num_stages, TILES=tiles,
+            num_warps=cfg.num_warps_down or cfg.num_warps,
         )
-        return out
+
+
+def _tiles(row_tiles: int, wanted: int) -> int:
+    return wanted if wanted >= 1 and row_tiles % wanted == 0 else 1
+
+
+def _use_ptx(cfg: TritonConfig, x: torch.Tensor) -> bool:
+    return cfg.ptx_dequant and x.is_cuda and torch.version.hip is None
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

@@ -10,7 +10,9 @@ import torch
 from kernels.backends.hip_fdot2 import HipFdot2Backend
 from kernels.backends.triton_moe import TritonBackend, TritonConfig, TritonExperts
 from kernels.oracle import choose_backend
+from kernels.quant import W4A16ExpertWeights
 from kernels.reference import moe_experts_w4a16_reference
+from tests.kernels.conftest import make_problem, random_int4
 
 pytestmark = pytest.mark.gpu
 
@@ -44,6 +46,9 @@ def test_triton_matches_reference(cuda, moe_problem, rel_error, hidden, inter, g
         TritonConfig(block_n_gate_up=128, block_n_down=256),  # wider than N: partial tiles everywhere
         TritonConfig(block_m=64, block_n_gate_up=64, block_n_down=128, num_warps=8),
         TritonConfig(block_m=32, num_stages=4),
+        TritonConfig(block_k=64, block_n_gate_up=32, block_n_down=64, num_stages=5, num_warps_down=8),
+        TritonConfig(tiles_gate_up=3, tiles_down=2),  # programs stream several row tiles
+        TritonConfig(block_k=64, block_n_gate_up=32, block_m=32, tiles_gate_up=2, tiles_down=2, num_stages=4),
     ],
 )
 def test_triton_configs_and_gelu(cuda, moe_problem, rel_error, config):
@@ -79,3 +84,55 @@ def test_oracle_on_gpu(cuda, moe_problem):
     assert choice.backend.name == expected
     assert isinstance(choose_backend(cuda, p.weights.scheme, "silu", forced="hip_fdot2").backend, HipFdot2Backend)
     assert isinstance(choose_backend(cuda, p.weights.scheme, "silu", forced="triton").backend, TritonBackend)
+
+
+@pytest.mark.parametrize("hidden,inter,group", [(160, 96, 32), (192, 320, 64), (256, 128, 128), (512, 256, 256)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("ptx", [True, False], ids=["ptx", "triton-dequant"])
+def test_triton_block_k_64(cuda, moe_problem, rel_error, hidden, inter, group, dtype, ptx):
+    """The 64-wide weight blocks: two groups per block (group 32), one, or half a group (256)."""
+    p = moe_problem(experts=4, hidden=hidden, inter=inter, group=group, tokens_per_expert=5).to(cuda)
+    x = p.hidden.to(dtype)
+    config = TritonConfig(block_k=64, ptx_dequant=ptx)
+    out = TritonExperts(p.weights, "silu", cuda, config)(x, p.pair_rows, p.pair_experts, p.pair_weights)
+    assert rel_error(out, _reference(p, x)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_triton_model_shape(cuda, rel_error, tokens):
+    """Qwen3-30B-A3B expert shapes (H 2048, I 768, group 128), 16 experts, shuffled pairs, bf16."""
+    gen = torch.Generator().manual_seed(tokens)
+    experts, hidden, inter, top_k = 16, 2048, 768, 4
+    weights = W4A16ExpertWeights(random_int4(experts, 2 * inter, hidden, 128, gen), random_int4(experts, hidden, inter, 128, gen))
+    rows = experts * tokens // top_k
+    pair_experts = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(rows)]).flatten()
+    pair_rows = torch.arange(rows).repeat_interleave(top_k)
+    pair_weights = torch.rand(rows * top_k, generator=gen)
+    x = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)
+    args = [t.to(cuda) for t in (x, pair_rows, pair_experts, pair_weights)]
+    out = TritonExperts(weights, "silu", cuda)(*args)
+    ref = moe_experts_w4a16_reference(*args, weights.to(cuda))
+    assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("experts,pairs", [(128, 1), (128, 1024), (6, 37), (3, 5000), (128, 9000)])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_triton_route(cuda, experts, pairs, index_dtype):
+    """Pairs grouped by expert (route kernel; torch.sort above ROUTE_MAX_PAIRS): bounds and contents."""
+    gen = torch.Generator().manual_seed(pairs)
+    pair_experts = torch.randint(0, experts, (pairs,), generator=gen)
+    if experts == 6:
+        pair_experts = pair_experts % 2 * 3  # empty experts between full ones
+    pair_rows = torch.randint(0, 1 << 20, (pairs,), generator=gen)
+    pair_weights = torch.rand(pairs, generator=gen)
+    prepared = TritonExperts(make_problem(experts, 64, 32, 32, 1).weights, "silu", cuda)  # smallest layer
+    bounds, rows, router = prepared.route(
+        pair_rows.to(cuda, index_dtype), pair_experts.to(cuda, index_dtype), pair_weights.to(cuda)
+    )
+    bounds, rows, router = bounds.cpu(), rows.cpu(), router.cpu()
+    expected = torch.cat([torch.zeros(1, dtype=torch.long), torch.bincount(pair_experts, minlength=experts).cumsum(0)])
+    assert torch.equal(bounds.long(), expected)
+    for e in range(experts):
+        got = sorted(zip(rows[bounds[e] : bounds[e + 1]].tolist(), router[bounds[e] : bounds[e + 1]].tolist()))
+        want = sorted(zip(pair_rows[pair_experts == e].tolist(), pair_weights[pair_experts == e].tolist()))
+        assert got == want, f"expert {e}"
