@@ -58,8 +58,7 @@ class ExpertPool:
     """This process's connections to the expert workers and the placement over them."""
 
     def __init__(self, cfg: AttentionConfig, num_experts: int):
-        self.placement = Placement(num_experts, len(cfg.expert_endpoints))
-        self.owners = self.placement.owner_table()  # [E] worker per expert
+        self.owners = Placement(num_experts, len(cfg.expert_endpoints)).owner_table()  # [E] worker per expert
         self.clients = [
             ExpertClient(worker, endpoint, cfg.request_timeout_s) for worker, endpoint in enumerate(cfg.expert_endpoints)
         ]
