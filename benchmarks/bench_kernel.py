@@ -271,21 +271,17 @@ def triton_sweep(weights, problems, device, iters, copy_bw) -> list[Row]:
     base = TritonConfig()
     configs = [
         base,
-        replace(base, tiles_down=2),
-        replace(base, tiles_down=4),
-        replace(base, tiles_gate_up=2),
-        replace(base, tiles_gate_up=3),
-        replace(base, tiles_gate_up=2, tiles_down=2),
-        replace(base, tiles_gate_up=3, tiles_down=4),
-        replace(base, tiles_gate_up=6, tiles_down=8),
+        replace(base, num_stages=4),
+        replace(base, num_stages=2),
         replace(base, num_stages_down=4),
-        replace(base, num_stages_down=2),
-        replace(base, tiles_down=2, num_stages_down=4),
-        replace(base, num_warps_down=8),
-        replace(base, block_n_down=64, tiles_down=2),
-        replace(base, block_n_down=64, tiles_down=4),
-        replace(base, tiles_gate_up=2, tiles_down=2, num_stages=4),
-        replace(base, block_n_down=256, num_warps_down=8, tiles_down=2),
+        replace(base, block_n_down=64),
+        replace(base, block_n_down=256, num_warps_down=8),
+        replace(base, block_n_gate_up=32),
+        replace(base, block_n_gate_up=128, num_warps=8, num_warps_down=4),
+        replace(base, num_warps=8),
+        replace(base, block_k=64, num_stages=4),
+        replace(base, ptx_dequant=False),
+        replace(base, block_m=32),
     ]
     rows = []
     for config in configs:
@@ -333,7 +329,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, help="default: 50 on a GPU, 3 on CPU")
     parser.add_argument("--threads", type=int, help="CPU threads (default 1 on CPU: on a shared 2-core box two "
                         "OpenMP threads measured 30x slower than one)")
-    parser.add_argument("--sweep", action="store_true", help="also time Triton launch configurations (GPU)")
+    parser.add_argument("--sweep", action="store_true", help="also time Triton launch configurations and print the "
+                        "graph time of each Triton launch alone (GPU)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)

@@ -156,22 +156,6 @@ def route_kernel(
 
 
 @triton.jit
-def _tile_and_block(t, kb, TILES: tl.constexpr):
-    """Step t of a program's flattened loop over TILES row tiles x kb K-blocks -> (tile, block)."""
-    if TILES == 1:
-        return 0, t
-    tile = t // kb
-    return tile, t - tile * kb
-
-
-@triton.jit
-def _gate_up_epilogue(acc_gate, acc_up, act_ptr, stride_at, offs_m, m_mask, offs_n, I, ACTIVATION: tl.constexpr):
-    y = _activate(acc_gate, ACTIVATION) * acc_up  # [BM, BN] fp32
-    out = act_ptr + offs_m[:, None] * stride_at + offs_n[None, :]
-    tl.store(out, y.to(act_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n[None, :] < I))
-
-
-@triton.jit
 def gate_up_kernel(
     x_ptr, stride_xt,  # [T, H] fp16/bf16 hidden rows
     srows_ptr, bounds_ptr,  # [P] int32 row of each sorted position, [E+1] int32
@@ -182,12 +166,12 @@ def gate_up_kernel(
     I, Ip, H,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr,
-    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, ZERO_BLOCK: tl.constexpr, TILES: tl.constexpr,
+    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, ZERO_BLOCK: tl.constexpr,
 ):
-    """Program (e, j) owns gate/up row tiles j*TILES .. j*TILES+TILES-1 of expert e, streamed back to back."""
     e = tl.program_id(0)
+    nb = tl.program_id(1)
     # this program's slice of the output buffer
-    pid = e * tl.num_programs(1) + tl.program_id(1)
+    pid = e * tl.num_programs(1) + nb
     z_end = tl.minimum(pid * zero_chunk + zero_chunk, zero_numel)
     for z in range(pid * zero_chunk, z_end, ZERO_BLOCK):
         offs_z = z + tl.arange(0, ZERO_BLOCK)
@@ -195,15 +179,13 @@ def gate_up_kernel(
 
     start = tl.load(bounds_ptr + e)
     end = tl.load(bounds_ptr + e + 1)
-    nb0 = tl.program_id(1) * TILES
-    offs_bn = tl.arange(0, BLOCK_N)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] gate rows; up rows are + Ip
     offs_c = tl.arange(0, BLOCK_K // 4)
-    in_tile = offs_bn[None, :] * (BLOCK_K // 4) + offs_c[:, None]  # [Q, BN] within a tile
-    w_gate = w_ptr + e * stride_we + nb0 * stride_wt + in_tile
+    in_tile = tl.arange(0, BLOCK_N)[None, :] * (BLOCK_K // 4) + offs_c[:, None]  # [Q, BN] within a tile
+    w_gate = w_ptr + e * stride_we + nb * stride_wt + in_tile
     w_up = w_gate + (Ip // BLOCK_N) * stride_wt
-    s_gate = s_ptr + e * stride_se + nb0 * BLOCK_N + offs_bn  # [BN]
+    s_gate = s_ptr + e * stride_se + offs_n  # [BN]
     s_up = s_gate + Ip
-    kb = tl.cdiv(H, BLOCK_K)
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM] sorted positions
         m_mask = offs_m < end
@@ -211,10 +193,9 @@ def gate_up_kernel(
         x_base = x_ptr + rows[:, None] * stride_xt + offs_c[None, :]  # [BM, Q]
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for t in tl.range(0, TILES * kb, num_stages=NUM_STAGES):
-            tile, b = _tile_and_block(t, kb, TILES)
-            wg = tl.load(w_gate + tile * stride_wt + b * (BLOCK_N * BLOCK_K // 4))
-            wu = tl.load(w_up + tile * stride_wt + b * (BLOCK_N * BLOCK_K // 4))
+        for b in tl.range(0, tl.cdiv(H, BLOCK_K), num_stages=NUM_STAGES):
+            wg = tl.load(w_gate + b * (BLOCK_N * BLOCK_K // 4))
+            wu = tl.load(w_up + b * (BLOCK_N * BLOCK_K // 4))
             k0 = b * BLOCK_K + offs_c
             x0 = _load_x(x_base + b * BLOCK_K, m_mask, k0, H, EVEN_K)
             x1 = _load_x(x_base + b * BLOCK_K + BLOCK_K // 4, m_mask, k0 + BLOCK_K // 4, H, EVEN_K)
@@ -222,25 +203,11 @@ def gate_up_kernel(
             x3 = _load_x(x_base + b * BLOCK_K + 3 * (BLOCK_K // 4), m_mask, k0 + 3 * (BLOCK_K // 4), H, EVEN_K)
             g0, g1, g2, g3 = _split_quarters(wg, IS_BF16, USE_PTX)
             u0, u1, u2, u3 = _split_quarters(wu, IS_BF16, USE_PTX)
-            acc_gate = _scaled_block(acc_gate, x0, x1, x2, x3, g0, g1, g2, g3, s_gate + tile * BLOCK_N, b, stride_sg,
-                                     BLOCK_K, GROUP)
-            acc_up = _scaled_block(acc_up, x0, x1, x2, x3, u0, u1, u2, u3, s_up + tile * BLOCK_N, b, stride_sg,
-                                   BLOCK_K, GROUP)
-            if TILES > 1:
-                if b == kb - 1:
-                    offs_n = (nb0 + tile) * BLOCK_N + offs_bn
-                    _gate_up_epilogue(acc_gate, acc_up, act_ptr, stride_at, offs_m, m_mask, offs_n, I, ACTIVATION)
-                    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if TILES == 1:
-            _gate_up_epilogue(acc_gate, acc_up, act_ptr, stride_at, offs_m, m_mask, nb0 * BLOCK_N + offs_bn, I,
-                              ACTIVATION)
-
-
-@triton.jit
-def _down_epilogue(acc, router, rows, out_ptr, stride_ot, m_mask, offs_n, H):
-    out = out_ptr + rows[:, None] * stride_ot + offs_n[None, :]
-    tl.atomic_add(out, acc * router[:, None], mask=m_mask[:, None] & (offs_n[None, :] < H), sem="relaxed")
+            acc_gate = _scaled_block(acc_gate, x0, x1, x2, x3, g0, g1, g2, g3, s_gate, b, stride_sg, BLOCK_K, GROUP)
+            acc_up = _scaled_block(acc_up, x0, x1, x2, x3, u0, u1, u2, u3, s_up, b, stride_sg, BLOCK_K, GROUP)
+        y = _activate(acc_gate, ACTIVATION) * acc_up  # [BM, BN] fp32
+        out = act_ptr + offs_m[:, None] * stride_at + offs_n[None, :]
+        tl.store(out, y.to(act_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n[None, :] < I))
 
 
 @triton.jit
@@ -253,43 +220,32 @@ def down_kernel(
     H, I,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    TILES: tl.constexpr,
 ):
-    """Program (e, j) owns output tiles j*TILES .. j*TILES+TILES-1 of expert e, streamed back to back."""
     e = tl.program_id(0)
+    nb = tl.program_id(1)
     start = tl.load(bounds_ptr + e)
     end = tl.load(bounds_ptr + e + 1)
-    nb0 = tl.program_id(1) * TILES
-    offs_bn = tl.arange(0, BLOCK_N)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     offs_c = tl.arange(0, BLOCK_K // 4)
-    in_tile = offs_bn[None, :] * (BLOCK_K // 4) + offs_c[:, None]  # [Q, BN]
-    w_base = w_ptr + e * stride_we + nb0 * stride_wt + in_tile
-    s_base = s_ptr + e * stride_se + nb0 * BLOCK_N + offs_bn
-    kb = tl.cdiv(I, BLOCK_K)
+    in_tile = tl.arange(0, BLOCK_N)[None, :] * (BLOCK_K // 4) + offs_c[:, None]  # [Q, BN]
+    w_base = w_ptr + e * stride_we + nb * stride_wt + in_tile
+    s_base = s_ptr + e * stride_se + offs_n
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < end
         a_base = act_ptr + offs_m[:, None] * stride_at + offs_c[None, :]  # [BM, Q]
-        if TILES > 1:  # the epilogue runs inside the loop
-            rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
-            router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)  # [BM]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for t in tl.range(0, TILES * kb, num_stages=NUM_STAGES):
-            tile, b = _tile_and_block(t, kb, TILES)
-            w = tl.load(w_base + tile * stride_wt + b * (BLOCK_N * BLOCK_K // 4))
+        for b in tl.range(0, tl.cdiv(I, BLOCK_K), num_stages=NUM_STAGES):
+            w = tl.load(w_base + b * (BLOCK_N * BLOCK_K // 4))
             k0 = b * BLOCK_K + offs_c
             x0 = _load_x(a_base + b * BLOCK_K, m_mask, k0, I, EVEN_K)
             x1 = _load_x(a_base + b * BLOCK_K + BLOCK_K // 4, m_mask, k0 + BLOCK_K // 4, I, EVEN_K)
             x2 = _load_x(a_base + b * BLOCK_K + 2 * (BLOCK_K // 4), m_mask, k0 + 2 * (BLOCK_K // 4), I, EVEN_K)
             x3 = _load_x(a_base + b * BLOCK_K + 3 * (BLOCK_K // 4), m_mask, k0 + 3 * (BLOCK_K // 4), I, EVEN_K)
             w0, w1, w2, w3 = _split_quarters(w, IS_BF16, USE_PTX)
-            acc = _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_base + tile * BLOCK_N, b, stride_sg,
-                                BLOCK_K, GROUP)
-            if TILES > 1:
-                if b == kb - 1:
-                    _down_epilogue(acc, router, rows, out_ptr, stride_ot, m_mask, (nb0 + tile) * BLOCK_N + offs_bn, H)
-                    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if TILES == 1:
-            rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
-            router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)  # [BM]
-            _down_epilogue(acc, router, rows, out_ptr, stride_ot, m_mask, nb0 * BLOCK_N + offs_bn, H)
+            acc = _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_base, b, stride_sg, BLOCK_K, GROUP)
+        rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
+        router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)  # [BM]
+        acc = acc * router[:, None]
+        out = out_ptr + rows[:, None] * stride_ot + offs_n[None, :]
+        tl.atomic_add(out, acc, mask=m_mask[:, None] & (offs_n[None, :] < H), sem="relaxed")

@@ -23,8 +23,16 @@ GROUP_SIZES = (32, 64, 128, 256)
 class TritonConfig:
     """Launch parameters; `for_load` picks them from the average pairs per expert.
 
-    block_k is also the weight layout's block (64 or 128): TritonExperts packs for it.
-    num_warps_down / num_stages_down default to num_warps / num_stages.
+    block_k, block_n_gate_up and block_n_down are also the weight tiles: TritonExperts packs for
+    them. num_warps_down / num_stages_down default to num_warps / num_stages.
+
+    H200, Qwen3-30B-A3B shapes, graph time at 1 / 8 tokens per expert (bench_kernel --sweep, two
+    runs): this default 101-102 / 108-111 us; 4 stages 105 / 113, 5 stages 109 / 118, 2 stages
+    119 / 128; down tiles of 64 rows 111 / 120, of 256 rows with 8 warps 107 / 114; gate_up tiles
+    of 32 rows 118 / 127, of 128 rows with 8 warps 108 / 116; 8 warps 128 / 135; block_k 64
+    124 / 132; Triton instead of PTX dequant 147 / 152; block_m 32 140 / 145 but 320 against
+    435 us at 64 tokens per expert (hence for_load). Programs streaming 2 to 8 row tiles back to
+    back in one flattened loop measured 104-120 / 108-125 us, so one tile per program stays.
     """
 
     block_m: int = 16
@@ -36,8 +44,6 @@ class TritonConfig:
     block_k: int = 128
     num_warps_down: int | None = None
     num_stages_down: int | None = None
-    tiles_gate_up: int = 1  # row tiles one program streams back to back (1 if it does not divide)
-    tiles_down: int = 1
 
     @classmethod
     def for_load(cls, num_pairs: int, num_experts: int) -> TritonConfig:
@@ -166,8 +172,7 @@ class TritonExperts(PreparedExperts):
         act = torch.empty(rows.numel(), i, dtype=x.dtype, device=x.device)  # [P, I]
         out = torch.empty(x.shape[0], h, dtype=torch.float32, device=x.device)  # [T, H], zeroed by gate_up
         w13 = self.w13
-        tiles = _tiles(w13.padded_rows // w13.block_n, cfg.tiles_gate_up)
-        grid = (e, w13.padded_rows // w13.block_n // tiles)
+        grid = (e, w13.padded_rows // w13.block_n)
         zero_chunk = _cdiv(_cdiv(out.numel(), grid[0] * grid[1]), 64) * 64
         self.kernels.gate_up_kernel[grid](
             x, x.stride(0),
@@ -179,7 +184,7 @@ class TritonExperts(PreparedExperts):
             i, w13.padded_rows, h,
             GROUP=w13.group_size, BLOCK_K=w13.block_k, BLOCK_M=cfg.block_m, BLOCK_N=w13.block_n,
             ACTIVATION=self.activation, IS_BF16=x.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, x),
-            EVEN_K=h % w13.block_k == 0, NUM_STAGES=cfg.num_stages, ZERO_BLOCK=1024, TILES=tiles,
+            EVEN_K=h % w13.block_k == 0, NUM_STAGES=cfg.num_stages, ZERO_BLOCK=1024,
             num_warps=cfg.num_warps,
         )
         return act, out
@@ -188,8 +193,7 @@ class TritonExperts(PreparedExperts):
         """out[rows] += router * (act @ w2^T), with atomics."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         w2 = self.w2
-        tiles = _tiles(w2.padded_rows // w2.block_n, cfg.tiles_down)
-        self.kernels.down_kernel[(e, w2.padded_rows // w2.block_n // tiles)](
+        self.kernels.down_kernel[(e, w2.padded_rows // w2.block_n)](
             act, act.stride(0),
             rows, router, bounds,
             w2.w, w2.w.stride(0), w2.w.stride(1),
@@ -198,13 +202,9 @@ class TritonExperts(PreparedExperts):
             h, i,
             GROUP=w2.group_size, BLOCK_K=w2.block_k, BLOCK_M=cfg.block_m, BLOCK_N=w2.block_n,
             IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), EVEN_K=i % w2.block_k == 0,
-            NUM_STAGES=cfg.num_stages_down or cfg.num_stages, TILES=tiles,
+            NUM_STAGES=cfg.num_stages_down or cfg.num_stages,
             num_warps=cfg.num_warps_down or cfg.num_warps,
         )
-
-
-def _tiles(row_tiles: int, wanted: int) -> int:
-    return wanted if wanted >= 1 and row_tiles % wanted == 0 else 1
 
 
 def _use_ptx(cfg: TritonConfig, x: torch.Tensor) -> bool:

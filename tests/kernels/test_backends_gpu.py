@@ -47,8 +47,7 @@ def test_triton_matches_reference(cuda, moe_problem, rel_error, hidden, inter, g
         TritonConfig(block_m=64, block_n_gate_up=64, block_n_down=128, num_warps=8),
         TritonConfig(block_m=32, num_stages=4),
         TritonConfig(block_k=64, block_n_gate_up=32, block_n_down=64, num_stages=5, num_warps_down=8),
-        TritonConfig(tiles_gate_up=3, tiles_down=2),  # programs stream several row tiles
-        TritonConfig(block_k=64, block_n_gate_up=32, block_m=32, tiles_gate_up=2, tiles_down=2, num_stages=4),
+        TritonConfig(block_k=64, block_n_gate_up=32, block_m=32, num_stages=4, num_stages_down=2),
     ],
 )
 def test_triton_configs_and_gelu(cuda, moe_problem, rel_error, config):
