@@ -242,18 +242,14 @@ def test_pool_b_gives_each_worker_its_own_gpu_and_publishes_its_ports(projects):
     assert gpus == [str(i) for i in range(NUM_WORKERS)]
 
 
-def test_worker_commands_parse_with_the_worker_cli(projects, tmp_path, capsys):
+def test_worker_commands_parse_with_the_worker_cli(projects, tmp_path):
     for deployment in ("pool-b", "cpu"):
         for w in _workers(projects[deployment]):
             argv = list(w.argv)
             argv[argv.index("--model") + 1] = str(tmp_path)  # the parser insists on a real directory
-            try:
-                cfg = WorkerConfig.from_args(argv)
-            except SystemExit:
-                if "unrecognized arguments: --metrics-port" in capsys.readouterr().err:
-                    pytest.xfail("expert_server does not take --metrics-port yet")
-                raise
+            cfg = WorkerConfig.from_args(argv)
             assert (cfg.worker_index, cfg.num_workers, cfg.port, cfg.host) == (w.index, NUM_WORKERS, w.port, "0.0.0.0")
+            assert cfg.metrics_port == w.metrics_port
 
 
 # --- the attention server ------------------------------------------------------------------------
