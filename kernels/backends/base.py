@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -33,6 +34,17 @@ class Support:
     @classmethod
     def no(cls, reason: str) -> Support:
         return cls(False, reason)
+
+
+def symmetric_int4_support(scheme: QuantScheme, group_sizes: Sequence[int]) -> Support:
+    """The schemes the int4 kernels run: symmetric (zero 8), no act-order, one of `group_sizes`."""
+    if scheme.bits != 4 or not scheme.symmetric:
+        return Support.no(f"{scheme.describe()}: the kernel hard-codes zero 8 (symmetric int4)")
+    if scheme.act_order:
+        return Support.no(f"{scheme.describe()}: act-order g_idx is not supported")
+    if scheme.group_size not in group_sizes:
+        return Support.no(f"{scheme.describe()}: group size must be one of {tuple(group_sizes)}")
+    return Support.yes()
 
 
 class PreparedExperts(ABC):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backends.base import ExpertBackend, PairsByExpert, PreparedExperts, Support
+from kernels.backends.base import ExpertBackend, PairsByExpert, PreparedExperts, Support, symmetric_int4_support
 from kernels.quant import Int4Weights, QuantScheme, W4A16ExpertWeights
 from kernels.reference import ACTIVATIONS
 
@@ -29,15 +29,7 @@ class CpuBackend(ExpertBackend):
         return Support.yes()
 
     def supports_quant_scheme(self, scheme: QuantScheme) -> Support:
-        if scheme.bits != 4:
-            return Support.no(f"{scheme.describe()}: only int4")
-        if not scheme.symmetric:
-            return Support.no(f"{scheme.describe()}: the CPU int4 kernel is used with zero 8 only")
-        if scheme.act_order:
-            return Support.no(f"{scheme.describe()}: act-order g_idx is not supported")
-        if scheme.group_size not in GROUP_SIZES:
-            return Support.no(f"{scheme.describe()}: group size must be one of {GROUP_SIZES}")
-        return Support.yes()
+        return symmetric_int4_support(scheme, GROUP_SIZES)
 
     def prepare(self, weights: W4A16ExpertWeights, activation: str, device: torch.device) -> PreparedExperts:
         return _CpuExperts(weights, activation)

@@ -12,11 +12,12 @@ from pathlib import Path
 import torch
 
 from kernels import native_build
-from kernels.backends.base import ExpertBackend, PairsByExpert, PreparedExperts, Support
+from kernels.backends.base import ExpertBackend, PairsByExpert, PreparedExperts, Support, symmetric_int4_support
 from kernels.quant import QuantScheme, W4A16ExpertWeights
 
 ACTIVATION_CODES = {"silu": 0, "gelu": 1}
 MIN_CUDA_CAPABILITY = (7, 0)
+GROUP_SIZES = (32, 64, 128, 256)
 
 
 class HipFdot2Backend(ExpertBackend):
@@ -43,13 +44,7 @@ class HipFdot2Backend(ExpertBackend):
         return Support.yes()
 
     def supports_quant_scheme(self, scheme: QuantScheme) -> Support:
-        if scheme.bits != 4 or not scheme.symmetric:
-            return Support.no(f"{scheme.describe()}: the kernel hard-codes zero 8 (symmetric int4)")
-        if scheme.act_order:
-            return Support.no(f"{scheme.describe()}: act-order g_idx is not supported")
-        if scheme.group_size % 32:
-            return Support.no(f"{scheme.describe()}: group size must be a multiple of 32")
-        return Support.yes()
+        return symmetric_int4_support(scheme, GROUP_SIZES)
 
     def prepare(self, weights: W4A16ExpertWeights, activation: str, device: torch.device) -> PreparedExperts:
         archs = self.archs or (native_build.device_arch(device),)

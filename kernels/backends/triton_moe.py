@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backends.base import ExpertBackend, PreparedExperts, Support
+from kernels.backends.base import ExpertBackend, PreparedExperts, Support, symmetric_int4_support
 from kernels.quant import Int4Weights, QuantScheme, W4A16ExpertWeights, unpack_int4
 
 GROUP_SIZES = (32, 64, 128, 256)
@@ -64,13 +64,7 @@ class TritonBackend(ExpertBackend):
         return Support.yes()
 
     def supports_quant_scheme(self, scheme: QuantScheme) -> Support:
-        if scheme.bits != 4 or not scheme.symmetric:
-            return Support.no(f"{scheme.describe()}: the kernel hard-codes zero 8 (symmetric int4)")
-        if scheme.act_order:
-            return Support.no(f"{scheme.describe()}: act-order g_idx is not supported")
-        if scheme.group_size not in GROUP_SIZES:
-            return Support.no(f"{scheme.describe()}: group size must be one of {GROUP_SIZES}")
-        return Support.yes()
+        return symmetric_int4_support(scheme, GROUP_SIZES)
 
     def prepare(self, weights: W4A16ExpertWeights, activation: str, device: torch.device) -> PreparedExperts:
         return TritonExperts(weights, activation, device)
