@@ -21,7 +21,8 @@ from cluster.launcher import Cluster, ClusterSpec, stop_detached
 
 logger = logging.getLogger("cluster")
 
-# Small CPU defaults so the embedded model starts quickly on a laptop.
+# CPU defaults so the embedded model starts on a laptop beside eight workers: vLLM's
+# own default reserves 92% of memory. Flags after `--` come later and win.
 CPU_VLLM_ARGS = ("--dtype", "bfloat16", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 30))
 
 
@@ -67,7 +68,7 @@ def up(a: argparse.Namespace) -> int:
         import tiny_models
 
         a.model = tiny_models.make("qwen3_moe", tiny_models.default_model_dir())
-    vllm_args = [x for x in a.vllm_args if x != "--"] or list(CPU_VLLM_ARGS)
+    vllm_args = [*CPU_VLLM_ARGS, *(x for x in a.vllm_args if x != "--")]
     spec = ClusterSpec(
         model=a.model.resolve(),
         num_workers=a.workers,
