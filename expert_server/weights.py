@@ -11,7 +11,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 
 from kernels.backends.base import PreparedExperts
 from kernels.backends.reference import DenseReference
@@ -53,7 +52,7 @@ def load_shard(
                 f"kernel backend {kernel_backend!r} runs W4A16 experts; this {ckpt.dtype} checkpoint is "
                 "served unquantized by the reference: pass --weight-format w4a16 to quantize it on load"
             )
-        layers = {l: DenseReference(w, ckpt.activation) for l, w in _load_dense(ckpt, start, end, device).items()}
+        layers = {l: DenseReference(w, ckpt.activation) for l, w in _load_dense(ckpt, source, start, end, device).items()}
         return LoadedShard(layers, "reference", str(ckpt.dtype).removeprefix("torch."))
 
     naming, layers, choice = ckpt.naming, {}, None
@@ -72,31 +71,23 @@ def load_shard(
     return LoadedShard(layers, choice.backend.name, f"w4a16 {scheme.describe()}")
 
 
-def _load_dense(ckpt: MoeCheckpoint, start: int, end: int, device: torch.device) -> dict[int, DenseExpertWeights]:
+def _load_dense(
+    ckpt: MoeCheckpoint, source: SafetensorsDir, start: int, end: int, device: torch.device
+) -> dict[int, DenseExpertWeights]:
     """w13 is [E_w, 2I, H] (gate rows then up rows), w2 is [E_w, H, I]."""
     naming = ckpt.naming
-    wanted = {
-        naming.name(layer, e, proj)
-        for layer in ckpt.moe_layers
-        for e in range(start, end)
-        for proj in (naming.gate, naming.up, naming.down)
-    }
-    tensors: dict[str, torch.Tensor] = {}
-    for file in ckpt.files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in wanted.intersection(f.keys()):
-                tensors[name] = f.get_tensor(name)
-    missing = wanted - tensors.keys()
-    if missing:
-        raise ValueError(f"{ckpt.path} lacks {len(missing)} expert tensors, e.g. {sorted(missing)[0]}")
+
+    def read(layer: int, expert: int, proj: str) -> torch.Tensor:
+        name = naming.name(layer, expert, proj)
+        if name not in source:
+            raise ValueError(f"{ckpt.path} lacks expert tensor {name}")
+        return source[name]
 
     shard = {}
     for layer in ckpt.moe_layers:
         experts = range(start, end)
-        w13 = torch.stack(
-            [torch.cat([tensors[naming.name(layer, e, naming.gate)], tensors[naming.name(layer, e, naming.up)]]) for e in experts]
-        )
-        w2 = torch.stack([tensors[naming.name(layer, e, naming.down)] for e in experts])
+        w13 = torch.stack([torch.cat([read(layer, e, naming.gate), read(layer, e, naming.up)]) for e in experts])
+        w2 = torch.stack([read(layer, e, naming.down) for e in experts])
         shard[layer] = DenseExpertWeights(w13=w13.to(device), w2=w2.to(device))
     nbytes = sum(w.w13.nbytes + w.w2.nbytes for w in shard.values())
     logger.info("loaded experts [%d, %d) of %d layers: %.1f MiB", start, end, len(shard), nbytes / 2**20)
