@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.launcher import ClusterSpec, stop_pids
+from cluster.launcher import stop_pids
 
 HOST = "127.0.0.1"
 # The CPU flags every vLLM in the tests runs with, stock or cluster.
@@ -80,13 +80,12 @@ def start_workers(procs: Processes, model: Path, num_workers: int, tag: str, ext
     """Real expert_server processes on loopback, one per worker index, each with /metrics."""
     ports = free_ports(2 * num_workers)
     ports, metrics_ports = ports[:num_workers], ports[num_workers:]
-    spec = ClusterSpec(model=model, num_workers=num_workers, worker_base_port=0, http_port=0, host=HOST,
-                       run_dir=procs.log_dir, worker_threads=1)  # fmt: skip
     endpoints = []
     for i, port in enumerate(ports):
-        cmd = spec.worker_command(i)
-        cmd[cmd.index("--port") + 1] = str(port)
-        procs.start(f"{tag}-worker-{i}", [*cmd, "--metrics-port", str(metrics_ports[i]), *extra_args])
+        procs.start(f"{tag}-worker-{i}", python_module(
+            "expert_server", "--model", str(model), "--worker-index", str(i), "--num-workers", str(num_workers),
+            "--host", HOST, "--port", str(port), "--metrics-port", str(metrics_ports[i]), "--num-threads", "1",
+            *extra_args))  # fmt: skip
         endpoints.append(f"{HOST}:{port}")
     for i, endpoint in enumerate(endpoints):
         wait_serving(endpoint, procs.procs[f"{tag}-worker-{i}"])
