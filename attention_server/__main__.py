@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from attention_server.config import DEFAULT_REQUEST_TIMEOUT_S, AttentionConfig
+from attention_server.config import DEFAULT_REQUEST_TIMEOUT_S, AttentionConfig, share_metrics_across_processes
 from attention_server.handshake import WorkerMismatchError, check_workers
 from protos.checkpoint import CheckpointError, read_checkpoint
 
@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
             logger.error("refusing to start: %s", err)
             raise SystemExit(2) from None
         cfg.publish()
+        # The plugin's counters live in vLLM's engine process; this joins them to vLLM's /metrics.
+        metrics_dir = share_metrics_across_processes()  # noqa: F841 (kept alive until exit)
         logger.info("%d expert workers match %s; starting vLLM", len(cfg.expert_endpoints), ours.model)
     serve_vllm(vllm_argv)
 

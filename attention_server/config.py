@@ -8,11 +8,13 @@ HETERO_MOE_EXPERT_ENDPOINTS unset the plugin is off and vLLM runs as stock.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 
 ENDPOINTS_ENV = "HETERO_MOE_EXPERT_ENDPOINTS"
 TIMEOUT_ENV = "HETERO_MOE_REQUEST_TIMEOUT_S"
 DEFAULT_REQUEST_TIMEOUT_S = 60.0
+PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -55,3 +57,17 @@ class AttentionConfig:
         """Export to the environment inherited by vLLM's processes."""
         os.environ[ENDPOINTS_ENV] = ",".join(self.expert_endpoints)
         os.environ[TIMEOUT_ENV] = repr(self.request_timeout_s)
+
+
+def share_metrics_across_processes() -> tempfile.TemporaryDirectory | None:
+    """Turn on prometheus_client's multiprocess mode for this process and vLLM's children.
+
+    Must run before anything imports prometheus_client. Returns the directory,
+    removed when it is garbage-collected at exit, or None when the operator
+    already set PROMETHEUS_MULTIPROC_DIR (then wiping it is theirs to do).
+    """
+    if os.environ.get(PROMETHEUS_DIR_ENV):
+        return None
+    directory = tempfile.TemporaryDirectory(prefix="hetero-moe-metrics-")
+    os.environ[PROMETHEUS_DIR_ENV] = directory.name
+    return directory

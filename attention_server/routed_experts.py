@@ -41,10 +41,11 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.utils.torch_utils import direct_register_custom_op
 
+from attention_server import metrics
 from attention_server.combine import combine
 from attention_server.config import AttentionConfig
 from attention_server.dispatch import ExpertClient, Pending, dispatch
-from attention_server.partition import partition
+from attention_server.partition import DispatchPlan, partition
 from protos.placement import Placement
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,16 @@ class ExpertPool:
         self.clients = [
             ExpertClient(worker, endpoint, cfg.request_timeout_s) for worker, endpoint in enumerate(cfg.expert_endpoints)
         ]
+        workers = [str(w) for w in range(len(self.clients))]
+        self.sent_messages = [metrics.DISPATCH_MESSAGES.labels(w) for w in workers]
+        self.sent_rows = [metrics.DISPATCH_ROWS.labels(w) for w in workers]
+        self.sent_pairs = [metrics.DISPATCH_PAIRS.labels(w) for w in workers]
+
+    def count(self, plan: DispatchPlan) -> None:
+        for part in plan.slices:
+            self.sent_messages[part.worker].inc()
+            self.sent_rows[part.worker].inc(len(part.rows))
+            self.sent_pairs[part.worker].inc(len(part.pair_rows))
 
 
 @functools.cache
@@ -106,6 +117,7 @@ class RemoteRoutedExperts(RoutedExperts):
         self.layer_index = extract_layer_index(layer_name)
         self.pool = expert_pool(self.global_num_experts)
         self.pending: Pending | None = None
+        self.routed_tokens = metrics.ROUTED_TOKENS.labels(str(self.layer_index))
         _LAYERS[layer_name] = self
 
     def _get_quant_method(
@@ -138,6 +150,8 @@ class RemoteRoutedExperts(RoutedExperts):
         assert self.pending is None, f"{self.layer_name}: dispatch without combine"
         plan = partition(topk_ids, topk_weights, self.pool.owners)
         self.pending = dispatch(self.pool.clients, self.layer_index, x, plan)
+        self.routed_tokens.inc(plan.num_tokens)
+        self.pool.count(plan)
 
     def receive(self, x: torch.Tensor) -> torch.Tensor:
         pending, self.pending = self.pending, None

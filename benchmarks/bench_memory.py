@@ -60,6 +60,7 @@ def main() -> None:
     p.add_argument("--preset", default="large")
     p.add_argument("--port", type=int, default=8390)
     p.add_argument("--worker-base-port", type=int, default=50390)
+    p.add_argument("--worker-metrics-base-port", type=int, default=9490)
     p.add_argument("--out", type=Path, default=Path("results/memory.json"))
     a = p.parse_args()
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hetero-moe" / "models"
@@ -74,7 +75,8 @@ def main() -> None:
     stock = measure([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *serve], url, logs / "stock.log", env)
 
     spec = ClusterSpec(model=model, num_workers=8, worker_base_port=a.worker_base_port, http_port=a.port, host=HOST,
-                       run_dir=logs, worker_threads=1, vllm_args=VLLM_ARGS)  # fmt: skip
+                       run_dir=logs, worker_threads=1, worker_metrics_base_port=a.worker_metrics_base_port,
+                       vllm_args=VLLM_ARGS)  # fmt: skip
     workers = {}
     for i in range(spec.num_workers):
         with (logs / f"worker-{i}.log").open("wb") as f:

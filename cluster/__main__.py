@@ -38,7 +38,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     up.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: the embedded tiny Qwen3-MoE)")
     up.add_argument("--workers", type=int, default=8)
     up.add_argument("--worker-base-port", type=int, default=50100, help="worker i listens on base + i")
-    up.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port")
+    up.add_argument("--worker-metrics-base-port", type=int, default=9401,
+                    help="worker i serves Prometheus /metrics on base + i")
+    up.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port (also vLLM's and the plugin's /metrics)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker")
     up.add_argument("--weight-format", choices=("checkpoint", "w4a16"), default="checkpoint",
@@ -77,6 +79,7 @@ def up(a: argparse.Namespace) -> int:
         host=a.host,
         run_dir=a.run_dir,
         worker_threads=a.worker_threads,
+        worker_metrics_base_port=a.worker_metrics_base_port,
         vllm_args=tuple(vllm_args),
         worker_args=worker_args(a),
     )
@@ -93,6 +96,9 @@ def up(a: argparse.Namespace) -> int:
         print(f"starting {spec.num_workers} workers and the attention server; logs in {spec.run_dir}", flush=True)
         cluster.wait_ready(a.ready_timeout)
         print(f"\nhetero-moe serves {spec.model} at {spec.base_url}/v1 as model {spec.served_model_name!r}", flush=True)
+        attention_metrics, *worker_metrics = spec.metrics_urls
+        print(f"metrics: {attention_metrics} (vLLM and hetero_moe_*), workers {worker_metrics[0]} ... "
+              f"{worker_metrics[-1]}", flush=True)  # fmt: skip
         if a.detach:
             print("stop it with: make down   (python -m cluster down)", flush=True)
             cluster.procs.clear()  # leave them running

@@ -34,12 +34,20 @@ class ClusterSpec:
     host: str
     run_dir: Path
     worker_threads: int
+    worker_metrics_base_port: int
     vllm_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()  # e.g. --weight-format w4a16 --kernel-backend cpu
 
     @property
     def endpoints(self) -> list[str]:
         return [f"{self.host}:{self.worker_base_port + i}" for i in range(self.num_workers)]
+
+    @property
+    def metrics_urls(self) -> list[str]:
+        """Prometheus targets: the attention server's (vLLM's own /metrics), then worker 0, 1, ..."""
+        return [f"{self.base_url}/metrics"] + [
+            f"http://{self.host}:{self.worker_metrics_base_port + i}/metrics" for i in range(self.num_workers)
+        ]
 
     @property
     def served_model_name(self) -> str:
@@ -61,6 +69,7 @@ class ClusterSpec:
             "--host", self.host,
             "--port", str(self.worker_base_port + index),
             "--num-threads", str(self.worker_threads),
+            "--metrics-port", str(self.worker_metrics_base_port + index),
             *self.worker_args,
         ]  # fmt: skip
 

@@ -45,6 +45,12 @@ async def serve(cfg: WorkerConfig) -> None:
     shard = load_shard(ckpt, start, end, device, cfg.weight_format, cfg.kernel_backend, cfg.group_size)
     experts = LocalExperts(ckpt, start, end, shard, device)
     servicer = ExpertServicer(experts, cfg.worker_index, cfg.num_workers)
+    metrics.SHARD.info({
+        "worker": str(cfg.worker_index),
+        "experts": f"[{start}, {end})",
+        "kernel_backend": shard.kernel_backend,
+        "weight_format": shard.weight_format,
+    })
 
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb_grpc.add_ExpertServiceServicer_to_server(servicer, server)

@@ -1,7 +1,7 @@
 """Prometheus metrics of one expert worker (names: hetero_moe_worker_<what>_<unit>)."""
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, Info, start_http_server
 
 REQUESTS = Counter("hetero_moe_worker_requests", "Forward RPCs by final gRPC status", ["status"])
 FORWARD_SECONDS = Histogram(
@@ -12,7 +12,9 @@ FORWARD_SECONDS = Histogram(
 BYTES_RECEIVED = Counter("hetero_moe_worker_bytes_received", "Tensor payload bytes received in Forward requests")
 BYTES_SENT = Counter("hetero_moe_worker_bytes_sent", "Tensor payload bytes sent in Forward responses")
 ROWS = Counter("hetero_moe_worker_rows", "Token rows computed")
+PAIRS = Counter("hetero_moe_worker_pairs", "(token row, expert) pairs computed")
 UP = Gauge("hetero_moe_worker_up", "1 while the worker serves, 0 while it loads or drains")
+SHARD = Info("hetero_moe_worker_shard", "What this worker serves: its index, experts and kernel backend")
 
 
 def serve_metrics(host: str, port: int) -> None:

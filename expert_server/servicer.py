@@ -76,6 +76,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         response = pb.ForwardResponse(partial=codec.encode(partial))
         metrics.BYTES_SENT.inc(len(response.partial.data))
         metrics.ROWS.inc(partial.shape[0])
+        metrics.PAIRS.inc(batch.pair_rows.shape[0])
         metrics.REQUESTS.labels(grpc.StatusCode.OK.name).inc()
         metrics.FORWARD_SECONDS.observe(time.perf_counter() - start)
         return response
