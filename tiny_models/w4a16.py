@@ -1,11 +1,13 @@
-"""A W4A16 copy of a checkpoint, packed by the compressed-tensors library, and its dequantized twin.
+"""W4A16 copies of a checkpoint, written by other projects' packers, and their dequantized twins.
 
-    python -m tiny_models.w4a16 --src DIR --out DIR --dequantized-out DIR [--group-size 32]
+    python -m tiny_models.w4a16 --src DIR --out DIR --dequantized-out DIR [--format gptq] [--group-size 32]
 
-Only the routed experts are quantized (symmetric int4, per-group scales, `pack-quantized`); the
-config's quantization targets match nothing else, so attention and routers stay 16-bit as vLLM on
-an AVX2 CPU needs. The twin holds the same experts dequantized back to the checkpoint dtype: stock
-vLLM serves it as the reference for the quantized cluster.
+Only the routed experts are quantized (symmetric int4, per-group scales); the config's
+quantization targets match nothing else, so attention and routers stay 16-bit as vLLM on an AVX2
+CPU needs. Formats: `compressed-tensors` (`pack-quantized`, packed by the compressed-tensors
+library) and `gptq` (v1, packed by vLLM's GPTQ utilities, with half of the output rows' scales
+negative as auto-round writes them). The twin holds the same experts dequantized back to the
+checkpoint dtype: stock vLLM serves it as the reference for the quantized cluster.
 """
 from __future__ import annotations
 
@@ -51,7 +53,30 @@ def _write(src: Path, path: Path, tensors: dict[str, torch.Tensor]) -> None:
     save_file(tensors, path / "model.safetensors")
 
 
-def quantize_experts(src: Path, out: Path, dequantized_out: Path, group_size: int = 32) -> tuple[Path, Path]:
+FORMATS = ("compressed-tensors", "gptq")
+
+
+def _expert_modules(ckpt) -> list[str]:
+    naming = ckpt.naming
+    return [
+        naming.module(layer, e, proj)
+        for layer in ckpt.moe_layers
+        for e in range(ckpt.num_experts)
+        for proj in (naming.gate, naming.up, naming.down)
+    ]
+
+
+def quantize_experts(
+    src: Path, out: Path, dequantized_out: Path, group_size: int = 32, fmt: str = "compressed-tensors"
+) -> tuple[Path, Path]:
+    """(W4A16 checkpoint, dequantized twin) of the 16-bit checkpoint `src`."""
+    if fmt == "gptq":
+        return _gptq_experts(src, out, dequantized_out, group_size)
+    assert fmt == "compressed-tensors", fmt
+    return _compressed_tensors_experts(src, out, dequantized_out, group_size)
+
+
+def _compressed_tensors_experts(src: Path, out: Path, dequantized_out: Path, group_size: int) -> tuple[Path, Path]:
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -65,12 +90,7 @@ def quantize_experts(src: Path, out: Path, dequantized_out: Path, group_size: in
     (file,) = ckpt.files
     tensors = load_file(file)
     naming = ckpt.naming
-    modules = [
-        naming.module(layer, e, proj)
-        for layer in ckpt.moe_layers
-        for e in range(ckpt.num_experts)
-        for proj in (naming.gate, naming.up, naming.down)
-    ]
+    modules = _expert_modules(ckpt)
     model = _experts_model(tensors, modules)
     args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)})
@@ -101,6 +121,43 @@ def quantize_experts(src: Path, out: Path, dequantized_out: Path, group_size: in
     return out, dequantized_out
 
 
+def _gptq_experts(src: Path, out: Path, dequantized_out: Path, group_size: int) -> tuple[Path, Path]:
+    from vllm.model_executor.layers.quantization.utils.quant_utils import gptq_pack, gptq_quantize_weights, pack_cols
+    from vllm.scalar_type import scalar_types
+
+    ckpt = read_checkpoint(src)
+    (file,) = ckpt.files
+    tensors = load_file(file)
+    rest = {k: v for k, v in tensors.items() if not any(k == f"{m}.weight" for m in _expert_modules(ckpt))}
+    quantized, dequantized = dict(rest), dict(rest)
+    for i, module in enumerate(_expert_modules(ckpt)):
+        weight = tensors[f"{module}.weight"]  # [N, K]
+        n, k = weight.shape
+        _, w_q, w_s = gptq_quantize_weights(weight.t().float(), scalar_types.uint4b8, group_size)  # [K, N], [K/G, N]
+        sign = torch.where(torch.arange(n) % 2 == i % 2, -1.0, 1.0)  # auto-round writes negative scales
+        scales = (w_s * sign).to(torch.float16)
+        quantized |= {
+            f"{module}.qweight": gptq_pack(w_q, 4, k, n),  # [K/8, N]
+            f"{module}.qzeros": pack_cols(torch.full((k // group_size, n), 7, dtype=torch.int32), 4, k // group_size, n),
+            f"{module}.scales": scales,
+            f"{module}.g_idx": torch.arange(k, dtype=torch.int32) // group_size,
+        }
+        # v1 zero point: stored 7 means 8
+        dense = (w_q.float() - 8) * scales.float().repeat_interleave(group_size, dim=0)  # [K, N]
+        dequantized[f"{module}.weight"] = dense.t().to(weight.dtype).contiguous()
+    _write(src, out, quantized)
+    hf_config = json.loads((out / "config.json").read_text())
+    # vLLM's GPTQ `dynamic` rule: every module outside the routed experts stays 16-bit.
+    hf_config["quantization_config"] = {
+        "quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": True, "desc_act": False,
+        "checkpoint_format": "gptq", "dynamic": {r"-:^(?!.*\.experts\.).*$": {}},
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
+    _write(src, dequantized_out, dequantized)
+    logger.info("wrote GPTQ experts (group %d) to %s and their dequantized twin to %s", group_size, out, dequantized_out)
+    return out, dequantized_out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m tiny_models.w4a16", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -108,9 +165,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--dequantized-out", type=Path, required=True)
     p.add_argument("--group-size", type=int, default=32)
+    p.add_argument("--format", choices=FORMATS, default="compressed-tensors")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    quantize_experts(a.src, a.out, a.dequantized_out, a.group_size)
+    quantize_experts(a.src, a.out, a.dequantized_out, a.group_size, a.format)
 
 
 if __name__ == "__main__":
