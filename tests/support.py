@@ -6,17 +6,64 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.launcher import stop_pids
 
 HOST = "127.0.0.1"
 # The CPU flags every vLLM in the tests runs with, stock or cluster.
 VLLM_CPU_ARGS = ("--dtype", "bfloat16", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 30))
+
+PROMPTS = [
+    "The weather today is",
+    "My favourite food is",
+    "Once upon a time, a little dog",
+    "The train to the city leaves at",
+    "In the garden we planted",
+    "She opened the book and read",
+    "The best way to learn is",
+    "After school the children",
+]
+MAX_TOKENS = 32
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    margins: list[float]  # top-1 minus top-2 logprob per step
+    runner_up: list[int]  # the top-2 token per step
+
+
+def token_id(text: str) -> int:
+    return int(text.removeprefix("token_id:"))
+
+
+def generate(base_url: str) -> list[Generation]:
+    """Greedy completions of PROMPTS through the `openai` client, with each step's top-2."""
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    response = client.completions.create(
+        model=model, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0, logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+    )  # fmt: skip
+    out = [None] * len(PROMPTS)
+    for choice in response.choices:
+        lp = choice.logprobs
+        tokens = [token_id(t) for t in lp.tokens]
+        margins, runner_up = [], []
+        for top in lp.top_logprobs:
+            (first, lp1), (second, lp2) = sorted(top.items(), key=lambda kv: -kv[1])[:2]
+            margins.append(lp1 - lp2)
+            runner_up.append(token_id(second))
+        out[choice.index] = Generation(tokens, margins, runner_up)
+    return out
 
 
 def free_ports(n: int) -> list[int]:
@@ -94,3 +141,78 @@ def start_workers(procs: Processes, model: Path, num_workers: int, tag: str, ext
 
 def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str) -> Samples:
+    """Every sample of a Prometheus /metrics page, keyed by (name, sorted labels)."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include `labels`."""
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def label_values(samples: Samples, name: str, label: str) -> set[str]:
+    return {dict(ls)[label] for (n, ls) in samples if n == name and label in dict(ls)}
+
+
+@dataclass(frozen=True)
+class ClusterCounters:
+    """The counters of a whole cluster read at one moment: the attention node's /metrics
+    (vLLM's own `vllm:` series and the plugin's `hetero_moe_`) and every worker's."""
+
+    attention: Samples
+    workers: list[Samples]
+
+    @classmethod
+    def read(cls, attention_url: str, worker_urls: list[str]) -> ClusterCounters:
+        return cls(scrape(attention_url), [scrape(u) for u in worker_urls])
+
+
+def assert_workers_did_the_work(before: ClusterCounters, after: ClusterCounters, top_k: int,
+                                moe_layers: tuple[int, ...], kernel_backend: str) -> str:
+    """The traffic between two readings went through the workers, in the amounts vLLM itself counted.
+
+    Every MoE layer routed exactly the tokens vLLM's engine computed (its prompt tokens not served
+    from the prefix cache, plus each generated token but the last); each token made `top_k` pairs;
+    each worker computed exactly the messages, rows and pairs the plugin sent it, and runs
+    `kernel_backend`. Returns a one-line summary.
+    """
+    a0, a1 = before.attention, after.attention
+
+    def moved(name: str, samples0: Samples = a0, samples1: Samples = a1, **labels: str) -> float:
+        return total(samples1, name, **labels) - total(samples0, name, **labels)
+
+    layers = label_values(a1, "hetero_moe_route_tokens_total", "layer")
+    assert layers == {str(l) for l in moe_layers}, f"the plugin counted layers {sorted(layers)}, not {moe_layers}"
+    computed = (moved("vllm:prompt_tokens_total") - moved("vllm:prefix_cache_hits_total")
+                + moved("vllm:generation_tokens_total") - moved("vllm:request_success_total"))  # fmt: skip
+    tokens = {l: moved("hetero_moe_route_tokens_total", layer=str(l)) for l in moe_layers}
+    assert computed > 0 and set(tokens.values()) == {computed}, f"tokens per layer {tokens}, vLLM computed {computed}"
+
+    pairs = 0.0
+    for w, (w0, w1) in enumerate(zip(before.workers, after.workers)):
+        sent = {what: moved(f"hetero_moe_dispatch_{what}_total", worker=str(w)) for what in ("messages", "rows", "pairs")}
+        done = {
+            "messages": moved("hetero_moe_worker_requests_total", w0, w1, status="OK"),
+            "rows": moved("hetero_moe_worker_rows_total", w0, w1),
+            "pairs": moved("hetero_moe_worker_pairs_total", w0, w1),
+        }
+        assert sent == done and done["messages"] > 0, f"worker {w} computed {done}; the plugin sent {sent}"
+        info = {dict(ls)["kernel_backend"] for (n, ls) in w1 if n == "hetero_moe_worker_shard_info"}
+        assert info == {kernel_backend}, f"worker {w} runs {info}, expected {kernel_backend!r}"
+        pairs += done["pairs"]
+    assert pairs == top_k * computed * len(moe_layers), f"{pairs} pairs for {computed} tokens x {len(moe_layers)} layers"
+    return (f"{computed:.0f} tokens x {len(moe_layers)} MoE layers routed, {pairs:.0f} pairs computed by "
+            f"{len(after.workers)} workers on {kernel_backend!r}, as the plugin sent them")
+

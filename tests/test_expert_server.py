@@ -1,17 +1,14 @@
 """Real expert_server processes: Info, numerics against HF transformers, refusals, health, reflection."""
 from __future__ import annotations
 
-import urllib.request
-
 import grpc
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM
 
-from tests.support import start_workers
+from tests.support import scrape, start_workers, total
 from protos import PROTOCOL_VERSION, GRPC_OPTIONS, codec
 from protos import expert_pb2 as pb
 from protos import expert_pb2_grpc as pb_grpc
@@ -93,6 +90,7 @@ def test_bad_requests_are_refused_and_the_worker_keeps_serving(served):
     start, end = Placement(ckpt.num_experts, NUM_WORKERS).expert_range(1)
     x = torch.randn(3, h, dtype=torch.bfloat16)
     good = request_for(layer, x, [0, 1, 2], [start, start, end - 1], [0.5, 0.5, 1.0])
+    before = scrape(served[2].metrics_urls[1])
 
     assert_invalid(stub, request_for(layer, torch.randn(3, h + 1, dtype=torch.bfloat16), [0], [start], [1.0]), f"[T, {h}]")
     assert_invalid(stub, request_for(layer, x.to(torch.int64), [0], [start], [1.0]), "hidden dtype")
@@ -114,20 +112,15 @@ def test_bad_requests_are_refused_and_the_worker_keeps_serving(served):
     again = codec.decode(stub.Forward(good, timeout=10).partial)
     assert first.shape == (3, h) and torch.isfinite(first).all() and torch.equal(first, again)
 
-    samples = scrape(served[2].metrics_urls[1])
-    assert samples[("hetero_moe_worker_requests_total", (("status", "INVALID_ARGUMENT"),))] >= 10
-    assert samples[("hetero_moe_worker_requests_total", (("status", "OK"),))] >= 2
-    assert samples[("hetero_moe_worker_up", ())] == 1
+    after = scrape(served[2].metrics_urls[1])
 
+    def moved(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
 
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    assert moved("hetero_moe_worker_requests_total", status="INVALID_ARGUMENT") == 10
+    assert moved("hetero_moe_worker_requests_total", status="OK") == 2
+    assert moved("hetero_moe_worker_rows_total") == 6 and moved("hetero_moe_worker_pairs_total") == 6
+    assert after[("hetero_moe_worker_up", ())] == 1
 
 
 def test_garbage_activations_like_vllm_profiling_are_accepted(served):

@@ -1,41 +1,109 @@
-"""`make up ARGS=--detach` / `make down`: a detached cluster serves, and `down` stops all of it."""
+"""`make up` (python -m cluster up) as users run it: detached until `down`; W4A16 quantized on load;
+and a dead process stops the whole cluster, naming it."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
-import urllib.request
+import time
 
 import psutil
 import pytest
+from openai import OpenAI
 
-from tests.support import HOST, VLLM_CPU_ARGS, free_ports, python_module
+from cluster.launcher import wait_http_ready
+from protos.checkpoint import read_checkpoint
+from tests.support import (
+    HOST, VLLM_CPU_ARGS, ClusterCounters, assert_workers_did_the_work, free_ports, python_module, scrape,
+)  # fmt: skip
 
 pytestmark = pytest.mark.vllm
 
+NUM_WORKERS = 8
+
+
+def cluster_up(model, run_dir, *args: str) -> tuple[list[str], str, list[str]]:
+    """(command, base url, metrics urls: the attention server's, then each worker's)."""
+    http, worker_base, metrics_base = free_ports(3)
+    cmd = python_module("cluster", "up", "--model", str(model), "--host", HOST, "--port", str(http),
+                        "--worker-base-port", str(worker_base), "--worker-metrics-base-port", str(metrics_base),
+                        "--run-dir", str(run_dir), *args)  # fmt: skip
+    base_url = f"http://{HOST}:{http}"
+    return cmd, base_url, [f"{base_url}/metrics"] + [f"http://{HOST}:{metrics_base + i}/metrics" for i in range(NUM_WORKERS)]
+
+
+def complete(base_url: str) -> str:
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    return client.completions.create(model=model, prompt="The weather today is", max_tokens=8, temperature=0).choices[0].text
+
+
+def family_of(pids) -> list[psutil.Process]:
+    family = [psutil.Process(pid) for pid in pids]
+    return family + [c for p in family for c in p.children(recursive=True)]
+
+
+def running(family: list[psutil.Process]) -> list[int]:
+    return [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
 
 def test_detached_cluster_serves_until_down(model_dir, tmp_path):
-    http, worker_base = free_ports(2)
-    run_dir = tmp_path / "run"
-    up = subprocess.run(
-        python_module("cluster", "up", "--detach", "--model", str(model_dir("qwen3_moe")), "--host", HOST,
-                      "--port", str(http), "--worker-base-port", str(worker_base), "--run-dir", str(run_dir),
-                      "--", *VLLM_CPU_ARGS, "--enforce-eager"),
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    model, run_dir = model_dir("qwen3_moe"), tmp_path / "run"
+    cmd, base_url, metrics = cluster_up(model, run_dir, "--detach", "--", *VLLM_CPU_ARGS, "--enforce-eager")
+    up = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     pids = json.loads((run_dir / "cluster.json").read_text()) if (run_dir / "cluster.json").exists() else {}
+    family = []
     try:
         assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:]
-        assert f"at http://{HOST}:{http}/v1 as model 'qwen3_moe-tiny-0'" in up.stdout
-        assert sorted(pids) == ["attention", *(f"worker-{i}" for i in range(8))]
-        with urllib.request.urlopen(f"http://{HOST}:{http}/health", timeout=5) as r:
-            assert r.status == 200, "still serving after `up --detach` returned"
-        family = [psutil.Process(pid) for pid in pids.values()]
-        family += [c for p in family for c in p.children(recursive=True)]
+        assert f"at {base_url}/v1 as model 'qwen3_moe-tiny-0'" in up.stdout
+        assert f"metrics: {metrics[0]} (vLLM and hetero_moe_*), workers {metrics[1]} ... {metrics[-1]}" in up.stdout
+        assert sorted(pids) == ["attention", *(f"worker-{i}" for i in range(NUM_WORKERS))]
+        family = family_of(pids.values())
+        ckpt = read_checkpoint(model)
+        before = ClusterCounters.read(metrics[0], metrics[1:])
+        assert complete(base_url), "still serving after `up --detach` returned"
+        assert_workers_did_the_work(before, ClusterCounters.read(metrics[0], metrics[1:]), ckpt.top_k, ckpt.moe_layers,
+                                    "reference")  # fmt: skip
     finally:
         down = subprocess.run(python_module("cluster", "down", "--run-dir", str(run_dir)),
                               capture_output=True, text=True, timeout=120)  # fmt: skip
     assert down.returncode == 0
-    assert not [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "survived `down`"
+    assert not running(family), "survived `down`"
     assert not (run_dir / "cluster.json").exists()
     again = subprocess.run(python_module("cluster", "down", "--run-dir", str(run_dir)), capture_output=True, text=True)
     assert "no detached cluster recorded" in again.stdout
+
+
+def test_w4a16_on_load_serves_and_a_dead_worker_stops_the_cluster_naming_it(model_dir, tmp_path):
+    """`make up ARGS="--weight-format w4a16 --group-size 32"`: the workers quantize on load and run the
+    int4 kernel; then one worker is killed and `make up` exits non-zero, naming it, leaving nothing."""
+    model, run_dir = model_dir("qwen3_moe"), tmp_path / "run"
+    cmd, base_url, metrics = cluster_up(model, run_dir, "--weight-format", "w4a16", "--group-size", "32",
+                                        "--", *VLLM_CPU_ARGS, "--enforce-eager")  # fmt: skip
+    log = tmp_path / "up.log"
+    with log.open("wb") as out:
+        launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http_ready(base_url, [launcher], timeout_s=900)
+        ckpt = read_checkpoint(model)
+        before = ClusterCounters.read(metrics[0], metrics[1:])
+        assert complete(base_url)
+        assert_workers_did_the_work(before, ClusterCounters.read(metrics[0], metrics[1:]), ckpt.top_k, ckpt.moe_layers, "cpu")
+        for url in metrics[1:]:
+            (shard,) = [dict(ls) for (n, ls) in scrape(url) if n == "hetero_moe_worker_shard_info"]
+            assert shard["weight_format"] == "w4a16 int4 sym group 32", shard
+
+        pids = json.loads((run_dir / "cluster.json").read_text())
+        family = family_of([launcher.pid])
+        os.killpg(pids["worker-5"], signal.SIGKILL)
+        assert launcher.wait(timeout=120) == 1
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGINT)
+            launcher.wait(timeout=120)
+    assert "stopping: exited unexpectedly: {'worker-5': -9}" in log.read_text()
+    deadline = time.monotonic() + 10
+    while running(family) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not running(family), "a process outlived the cluster"
