@@ -9,14 +9,17 @@ import torch
 
 from tests.support import python_module, start_workers
 from expert_server.weights import load_shard
-from kernels.formats import ExpertKeys, SafetensorsDir, load_expert_weights, parse_quant_config
-from kernels.reference import moe_experts_w4a16_reference
+from kernels.formats import SafetensorsDir
+from kernels.reference import DenseExpertWeights, moe_experts_reference
 from protos import GRPC_OPTIONS, codec
 from protos import expert_pb2 as pb
 from protos import expert_pb2_grpc as pb_grpc
 from protos.checkpoint import read_checkpoint
 from protos.placement import Placement
+from tests.kernels.quantizers import compressed_tensors_int4
 from tests.test_expert_server import request_for
+
+GROUP = 32
 
 NUM_WORKERS = 2
 
@@ -24,7 +27,7 @@ NUM_WORKERS = 2
 @pytest.fixture(scope="module")
 def quantized(model_dir, processes):
     model = model_dir("qwen3_moe")
-    workers = start_workers(processes, model, NUM_WORKERS, tag="w4a16", extra_args=("--weight-format", "w4a16", "--group-size", "32"))
+    workers = start_workers(processes, model, NUM_WORKERS, tag="w4a16", extra_args=("--weight-format", "w4a16", "--group-size", str(GROUP)))
     channels = [grpc.insecure_channel(e, options=GRPC_OPTIONS) for e in workers.endpoints]
     yield read_checkpoint(model), [pb_grpc.ExpertServiceStub(c) for c in channels]
     for c in channels:
@@ -38,24 +41,31 @@ def test_oracle_picks_the_cpu_kernel_and_info_says_so(quantized):
     assert info.weight_format == "w4a16 int4 sym group 32"
 
 
-def test_w4a16_partials_match_the_dequantizing_reference(quantized):
+def test_w4a16_partials_match_experts_quantized_by_compressed_tensors(quantized):
+    """Each worker quantized its shard on load; the reference is the same shard quantized by the
+    compressed-tensors library, dequantized, through the float32 reference experts."""
     ckpt, stubs = quantized
     source = SafetensorsDir(ckpt.path)
-    quant = parse_quant_config(None, quantize_group=32)
     placement = Placement(ckpt.num_experts, NUM_WORKERS)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, ckpt.hidden_size, generator=g).to(torch.bfloat16)
     layer, naming = ckpt.moe_layers[1], ckpt.naming
+
+    def dequantized(expert: int, proj: str) -> torch.Tensor:
+        values, scales = compressed_tensors_int4(source[naming.name(layer, expert, proj)].float(), GROUP)
+        return values.float() * scales.repeat_interleave(GROUP, dim=-1)  # [N, K]
+
     for worker, stub in enumerate(stubs):
         start, end = placement.expert_range(worker)
         rows = torch.tensor([0, 1, 1, 2, 3, 4, 4])
         experts = torch.tensor([start, start, end - 1, start + 1, end - 1, start, start + 1])
         weights = torch.rand(7, generator=g)
         got = codec.decode(stub.Forward(request_for(layer, x, rows, experts, weights), timeout=30).partial)
-        keys = [ExpertKeys(*(naming.module(layer, e, p) for p in (naming.gate, naming.up, naming.down)))
-                for e in range(start, end)]  # fmt: skip
-        int4 = load_expert_weights(source, keys, quant)
-        want = moe_experts_w4a16_reference(x, rows, experts - start, weights, int4, "silu")
+        shard = DenseExpertWeights(
+            torch.stack([torch.cat([dequantized(e, naming.gate), dequantized(e, naming.up)]) for e in range(start, end)]),
+            torch.stack([dequantized(e, naming.down) for e in range(start, end)]),
+        )
+        want = moe_experts_reference(x, rows, experts - start, weights, shard)
         assert (got - want).norm() / want.norm() < 1e-2, "bf16 activations in the CPU int4 kernel"
 
 

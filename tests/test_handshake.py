@@ -1,11 +1,15 @@
-"""An attention server pointed at the wrong workers refuses to start, naming the difference."""
+"""An attention server pointed at the wrong workers refuses to start, naming the difference,
+before vLLM starts (vLLM itself logs nothing: neither its banner nor its import-time lines)."""
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from tests.support import free_ports, python_module, start_workers
+from tests.support import HOST, Processes, free_ports, python_module, start_workers, wait_serving
 
 NUM_WORKERS = 4
 
@@ -21,38 +25,84 @@ def attention_server(model, endpoints: list[str]) -> subprocess.CompletedProcess
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
+def assert_refused(result: subprocess.CompletedProcess, *reasons: str) -> None:
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "refusing to start" in result.stderr
+    for reason in reasons:
+        assert reason in result.stderr, result.stderr
+    assert "vllm" not in (result.stdout + result.stderr).lower(), "refused before vLLM was imported or started"
+
+
+def edited_copy(model: Path, out: Path, **config) -> Path:
+    """The checkpoint with its config.json changed (tensors linked, not copied)."""
+    out.mkdir()
+    for f in model.iterdir():
+        (out / f.name).symlink_to(f)
+    (out / "config.json").unlink()
+    (out / "config.json").write_text(json.dumps(json.loads((model / "config.json").read_text()) | config))
+    return out
+
+
 def test_refuses_workers_of_another_checkpoint(model_dir, qwen3_workers):
     other = model_dir("qwen3_moe", seed=1)  # same architecture and shapes, other weights
-    result = attention_server(other, qwen3_workers.endpoints)
-    assert result.returncode == 2, result.stderr
-    assert "refusing to start" in result.stderr
-    assert "model fingerprint: worker has" in result.stderr
-    assert "vllm" not in result.stderr.lower().split("refusing to start")[0], "refused before starting vLLM"
+    assert_refused(attention_server(other, qwen3_workers.endpoints), "model fingerprint: worker has")
 
 
 def test_refuses_workers_of_another_architecture(model_dir, qwen3_workers):
-    result = attention_server(model_dir("mixtral"), qwen3_workers.endpoints)
-    assert result.returncode == 2
-    assert "model type: worker has qwen3_moe, expected mixtral" in result.stderr
-    assert "number of experts: worker has 16, expected 8" in result.stderr
+    assert_refused(
+        attention_server(model_dir("mixtral"), qwen3_workers.endpoints),
+        "model type: worker has qwen3_moe, expected mixtral",
+        "number of experts: worker has 16, expected 8",
+    )
+
+
+def test_refuses_another_hidden_size(model_dir, qwen3_workers, tmp_path):
+    wider = edited_copy(model_dir("qwen3_moe"), tmp_path / "wider", hidden_size=256)
+    assert_refused(attention_server(wider, qwen3_workers.endpoints), "hidden size: worker has 128, expected 256")
+
+
+def test_refuses_another_activation_dtype(model_dir, qwen3_workers, tmp_path):
+    fp16 = edited_copy(model_dir("qwen3_moe"), tmp_path / "fp16", dtype="float16", torch_dtype="float16")
+    assert_refused(
+        attention_server(fp16, qwen3_workers.endpoints), "activation dtype: worker has BFLOAT16, expected torch.float16"
+    )
+
+
+def test_refuses_a_worker_of_another_protocol_version(model_dir, qwen3_workers, tmp_path):
+    """A real worker process of a future wire version (its PROTOCOL_VERSION raised before it starts)."""
+    model = model_dir("qwen3_moe")
+    (port,) = free_ports(1)
+    future = (f"import runpy, sys, protos; protos.PROTOCOL_VERSION = 2; sys.argv[0] = 'expert_server'; "
+              f"runpy.run_module('expert_server', run_name='__main__')")  # fmt: skip
+    procs = Processes(tmp_path)
+    try:
+        proc = procs.start("future", [sys.executable, "-c", future, "--model", str(model), "--worker-index", "3",
+                                      "--num-workers", str(NUM_WORKERS), "--host", HOST, "--port", str(port)])  # fmt: skip
+        wait_serving(f"{HOST}:{port}", proc)
+        result = attention_server(model, [*qwen3_workers.endpoints[:3], f"{HOST}:{port}"])
+    finally:
+        procs.stop()
+    assert_refused(result, f"worker 3 at {HOST}:{port}: protocol version: worker has 2, expected 1")
 
 
 def test_refuses_swapped_shards(model_dir, qwen3_workers):
     e = qwen3_workers.endpoints
-    result = attention_server(model_dir("qwen3_moe"), [e[1], e[0], *e[2:]])
-    assert result.returncode == 2
-    assert f"worker 0 at {e[1]}: worker index: worker has 1, expected 0" in result.stderr
-    assert f"worker 0 at {e[1]}: expert ranges: worker has [(4, 8)], expected [(0, 4)]" in result.stderr
+    assert_refused(
+        attention_server(model_dir("qwen3_moe"), [e[1], e[0], *e[2:]]),
+        f"worker 0 at {e[1]}: worker index: worker has 1, expected 0",
+        f"worker 0 at {e[1]}: expert ranges: worker has [(4, 8)], expected [(0, 4)]",
+    )
 
 
 def test_refuses_a_different_worker_count(model_dir, qwen3_workers):
-    result = attention_server(model_dir("qwen3_moe"), qwen3_workers.endpoints[:2])
-    assert result.returncode == 2
-    assert "number of workers: worker has 4, expected 2" in result.stderr
+    assert_refused(
+        attention_server(model_dir("qwen3_moe"), qwen3_workers.endpoints[:2]), "number of workers: worker has 4, expected 2"
+    )
 
 
 def test_refuses_an_unreachable_worker(model_dir, qwen3_workers):
     (dead,) = free_ports(1)
-    result = attention_server(model_dir("qwen3_moe"), [*qwen3_workers.endpoints[:3], f"127.0.0.1:{dead}"])
-    assert result.returncode == 2
-    assert f"worker 3 at 127.0.0.1:{dead}: not reachable within 10 s" in result.stderr
+    assert_refused(
+        attention_server(model_dir("qwen3_moe"), [*qwen3_workers.endpoints[:3], f"127.0.0.1:{dead}"]),
+        f"worker 3 at 127.0.0.1:{dead}: not reachable within 10 s",
+    )

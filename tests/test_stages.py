@@ -1,12 +1,21 @@
 """Partition and combine, in-process: every pair goes to exactly one worker; the sum is ordered."""
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
 import torch
 
 from attention_server.combine import combine
-from attention_server.partition import partition
+from attention_server.dispatch import ExpertClient, dispatch
+from attention_server.partition import DispatchPlan, partition
 from kernels.reference import DenseExpertWeights, moe_experts_reference
+from protos import codec
+from protos import expert_pb2 as pb
+from protos import expert_pb2_grpc as pb_grpc
 from protos.placement import Placement
+from tests.support import HOST
 
 T, H, I, E, K, W = 37, 32, 16, 16, 4, 8
 
@@ -22,7 +31,7 @@ def test_partition_sends_each_pair_to_its_owner_once():
     ids, weights = routing(0)
     placement = Placement(E, W)
     plan = partition(ids, weights, placement.owner_table())
-    seen = set()
+    seen = []
     for part in plan.slices:
         start, end = placement.expert_range(part.worker)
         tokens = part.rows[part.pair_rows.long()]
@@ -30,10 +39,12 @@ def test_partition_sends_each_pair_to_its_owner_once():
             assert start <= e < end
             k = ids[t].tolist().index(e)
             assert w == weights[t, k].item()
-            seen.add((t, e))
+            seen.append((t, e))
         assert torch.equal(part.rows, torch.unique(tokens)), "rows are exactly the tokens with pairs here"
-    assert seen == {(t, e) for t in range(T) for e in ids[t].tolist()}
-    assert [s.worker for s in plan.slices] == sorted(s.worker for s in plan.slices)
+    assert len(seen) == T * K, "every pair exactly once: none lost, none sent twice"
+    assert sorted(seen) == sorted((t, e) for t in range(T) for e in ids[t].tolist())
+    workers = [s.worker for s in plan.slices]
+    assert all(a < b for a, b in zip(workers, workers[1:])), f"one slice per worker, ascending: {workers}"
 
 
 def test_idle_workers_get_no_slice():
@@ -42,7 +53,7 @@ def test_idle_workers_get_no_slice():
     assert [s.worker for s in plan.slices] == [0, 1]
 
 
-def test_combine_is_the_float64_sum_in_worker_order_whatever_the_arrival_order():
+def test_combine_is_the_float64_sum_in_worker_order():
     ids, weights = routing(1)
     plan = partition(ids, weights, Placement(E, W).owner_table())
     g = torch.Generator().manual_seed(2)
@@ -52,10 +63,7 @@ def test_combine_is_the_float64_sum_in_worker_order_whatever_the_arrival_order()
     for part, partial in zip(plan.slices, partials):  # the ordered reference
         for i, t in enumerate(part.rows.tolist()):
             expected[t] += partial[i].double()
-    out = combine(plan, partials, H, torch.bfloat16)
-    assert torch.equal(out, expected.to(torch.bfloat16))
-    # Answers that arrive in another order are still added by worker index.
-    assert torch.equal(combine(plan, list(partials), H, torch.bfloat16), out)
+    assert torch.equal(combine(plan, partials, H, torch.bfloat16), expected.to(torch.bfloat16))
 
 
 def test_split_over_workers_equals_one_process_moe():
@@ -77,3 +85,47 @@ def test_split_over_workers_equals_one_process_moe():
     rows = torch.arange(T).repeat_interleave(K)
     whole = moe_experts_reference(x, rows, ids.reshape(-1).long(), weights.reshape(-1), experts)
     torch.testing.assert_close(distributed, whole, rtol=1e-5, atol=1e-5)
+
+
+class ScriptedWorker(pb_grpc.ExpertServiceServicer):
+    """A real gRPC server that answers every row with `value`, after `delay_s`."""
+
+    def __init__(self, worker: int, value: float, delay_s: float, answered: list[int]):
+        self.worker, self.value, self.delay_s, self.answered = worker, value, delay_s, answered
+
+    def Forward(self, request, context):
+        time.sleep(self.delay_s)
+        rows = codec.decode(request.hidden).shape[0]
+        self.answered.append(self.worker)
+        return pb.ForwardResponse(partial=codec.encode(torch.full((rows, H), self.value)))
+
+
+def test_answers_arriving_in_reverse_order_are_combined_in_worker_order():
+    """Through real gRPC: worker 2 answers first, worker 0 last. Its float32 partials are chosen
+    so that the order of the float64 sum changes the bits: in worker order 1 + 1e30 - 1e30 == 0,
+    in arrival order -1e30 + 1e30 + 1 == 1."""
+    values, delays, answered = [1.0, 1e30, -1e30], [0.6, 0.3, 0.0], []
+    servers, clients = [], []
+    for w in range(3):
+        server = grpc.server(ThreadPoolExecutor(max_workers=1))
+        pb_grpc.add_ExpertServiceServicer_to_server(ScriptedWorker(w, values[w], delays[w], answered), server)
+        port = server.add_insecure_port(f"{HOST}:0")
+        server.start()
+        servers.append(server)
+        clients.append(ExpertClient(w, f"{HOST}:{port}", timeout_s=30))
+    try:
+        ids = torch.tensor([[0, 1, 2]], dtype=torch.int32)  # one token, one expert on each of workers 0, 1, 2
+        owners = torch.tensor([0, 1, 2])
+        plan = partition(ids, torch.ones(1, 3), owners)
+        pending = dispatch(clients, layer=0, x=torch.zeros(1, H, dtype=torch.bfloat16), plan=plan)
+        partials = pending.wait()
+        out = combine(plan, partials, H, torch.float32)
+    finally:
+        for c in clients:
+            c.close()
+        for s in servers:
+            s.stop(None)
+    assert answered == [2, 1, 0], "the answers did arrive in reverse"
+    arrival_order = combine(DispatchPlan(1, plan.slices[::-1]), partials[::-1], H, torch.float32)
+    assert torch.equal(arrival_order, torch.ones(1, H)), "these partials do make the order visible"
+    assert torch.equal(out, torch.zeros(1, H))

@@ -34,6 +34,16 @@ def test_same_spec_gives_same_bytes(built, tmp_path):
     assert _sha256(other_seed / "model.safetensors") != _sha256(again / "model.safetensors")
 
 
+# tokenizer.json of every tiny checkpoint, as trained on tiny_models/corpus.txt: `tokenizers` or its
+# trainer changing behaviour shows here, not as a fingerprint mismatch between pools.
+TOKENIZER_SHA256 = "eca72dc090c9d03f4ca8a387b051db0bf44d625a21798522e708c4ffa78ccb8f"
+
+
+def test_tokenizer_bytes_are_pinned(built):
+    for arch in ARCHS:
+        assert _sha256(built[arch] / "tokenizer.json") == TOKENIZER_SHA256, arch
+
+
 def test_make_is_idempotent_and_replaces_only_its_own_stale_output(tmp_path):
     out = tmp_path / "m"
     tiny_models.make("mixtral", out)

@@ -75,6 +75,18 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual.float().cpu() - expected.float().cpu()).abs().max().item() / scale
 
 
+def row_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Worst row's ||actual - expected|| / ||expected|| over the rows the reference computed (nonzero).
+
+    A max-over-max error lets a small row be wrong by its whole size while a large row sets the scale.
+    """
+    actual, expected = actual.float().cpu(), expected.float().cpu()
+    norms = expected.norm(dim=-1)  # [T]
+    computed = norms > 0
+    assert computed.any(), "the reference output is all zero: the comparison would prove nothing"
+    return ((actual - expected)[computed].norm(dim=-1) / norms[computed]).max().item()
+
+
 @pytest.fixture
 def moe_problem():
     """make_problem(experts, hidden, inter, group, tokens_per_expert, seed=0) -> MoeProblem."""
@@ -85,3 +97,9 @@ def moe_problem():
 def rel_error():
     """relative_error(actual, expected) -> float."""
     return relative_error
+
+
+@pytest.fixture
+def row_rel_error():
+    """row_relative_error(actual, expected) -> float."""
+    return row_relative_error

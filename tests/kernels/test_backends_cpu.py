@@ -20,7 +20,7 @@ TOKENS = [1, 3, 17]  # tokens per expert: one, odd, more than one 16-row tile
 
 @pytest.mark.parametrize("hidden,inter,group", SHAPES)
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_cpu_backend_matches_reference(moe_problem, rel_error, hidden, inter, group, tokens):
+def test_cpu_backend_matches_reference(moe_problem, row_rel_error, hidden, inter, group, tokens):
     p = moe_problem(experts=4, hidden=hidden, inter=inter, group=group, tokens_per_expert=tokens)
     backend = CpuBackend()
     assert backend.supports_quant_scheme(p.weights.scheme).ok
@@ -30,13 +30,14 @@ def test_cpu_backend_matches_reference(moe_problem, rel_error, hidden, inter, gr
     x = p.hidden.to(torch.bfloat16)
     ref = moe_experts_w4a16_reference(x, p.pair_rows, p.pair_experts, p.pair_weights, p.weights)
     assert out.dtype == torch.float32 and out.shape == ref.shape
-    assert rel_error(out, ref) < 3e-2
+    # the kernel rounds the intermediate activations to bf16 as well (2^-8 relative each): worst row 8e-3
+    assert row_rel_error(out, ref) < 1.5e-2
     untouched = torch.ones(p.hidden.shape[0], dtype=torch.bool)
     untouched[p.pair_rows] = False
     assert torch.equal(out[untouched], torch.zeros_like(out[untouched]))
 
 
-def test_cpu_backend_gelu(moe_problem, rel_error):
+def test_cpu_backend_gelu(moe_problem, row_rel_error):
     p = moe_problem(experts=2, hidden=128, inter=64, group=32, tokens_per_expert=3)
     out = CpuBackend().prepare(p.weights, "gelu", torch.device("cpu"))(
         p.hidden, p.pair_rows, p.pair_experts, p.pair_weights
@@ -44,9 +45,7 @@ def test_cpu_backend_gelu(moe_problem, rel_error):
     ref = moe_experts_w4a16_reference(
         p.hidden.to(torch.bfloat16), p.pair_rows, p.pair_experts, p.pair_weights, p.weights, "gelu"
     )
-    assert rel_error(out, ref) < 3e-2
-
-
+    assert row_rel_error(out, ref) < 1.5e-2
 
 
 def test_triton_kernels_in_interpreter(tmp_path):

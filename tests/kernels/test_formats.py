@@ -25,6 +25,7 @@ from kernels.formats import (
 )
 from kernels.oracle import choose_backend
 from kernels.reference import DenseExpertWeights, moe_experts_reference, moe_experts_w4a16_reference
+from tests.kernels.quantizers import compressed_tensors_int4
 
 E, H, I = 3, 192, 64
 PREFIX = "model.layers.0.mlp.experts"
@@ -236,9 +237,10 @@ def test_bf16_checkpoint_is_quantized_on_load(tmp_path, rel_error):
     loaded = load_expert_weights(source, KEYS, parse_quant_config(source.quantization_config(), quantize_group=64))
     assert loaded.scheme.group_size == 64 and loaded.scheme.symmetric
     dense = _dense(weights)
-    for e in range(E):  # round to nearest: at most half a step per weight
-        step = loaded.w13.scales[e].repeat_interleave(64, dim=-1)
-        assert ((loaded.w13.dequantize(e) - dense.w13[e]).abs() <= step / 2 + 1e-6).all()
+    for e in range(E):
+        for int4, w in ((loaded.w13, dense.w13[e]), (loaded.w2, dense.w2[e])):
+            values, scales = compressed_tensors_int4(w, 64)
+            assert torch.equal(int4.scales[e], scales) and torch.equal(int4.unpacked(e).long(), values + 8)
     x, rows, experts, wts = _routing()
     assert rel_error(
         moe_experts_w4a16_reference(x, rows, experts, wts, loaded), moe_experts_reference(x, rows, experts, wts, dense)

@@ -12,6 +12,7 @@ from kernels.quant import (
     quantize_symmetric,
     unpack_int4,
 )
+from tests.kernels.quantizers import compressed_tensors_int4
 
 
 def test_pack_matches_compressed_tensors_order_and_round_trips():
@@ -24,12 +25,13 @@ def test_pack_matches_compressed_tensors_order_and_round_trips():
     assert torch.equal(unpack_int4(pack_int4(q)), q.to(torch.uint8))
 
 
-def test_quantize_symmetric_error_is_at_most_half_a_step():
+def test_quantize_symmetric_equals_the_compressed_tensors_quantizer():
     w = torch.randn(2, 24, 256)
     int4 = quantize_symmetric(w, 64)
-    step = int4.scales.repeat_interleave(64, dim=-1)  # [E, N, K]
     for e in range(2):
-        assert ((int4.dequantize(e) - w[e]).abs() <= step[e] / 2 + 1e-6).all()
+        values, scales = compressed_tensors_int4(w[e], 64)
+        assert torch.equal(int4.scales[e], scales), "scale = absmax / 7.5, bit for bit"
+        assert torch.equal(int4.unpacked(e).to(torch.int64), values + 8), "round to nearest, stored + 8"
     assert int4.scheme.symmetric and not int4.scheme.act_order and int4.scheme.group_size == 64
 
 
