@@ -13,8 +13,8 @@ top-2 margin is within what that difference can move a margin (`TOLERANCES`, fix
 - float32: the two differ by float32 rounding only. The cluster must reproduce stock's margins
   to within 1e-3 at every teacher-forced step (measured: at most 2.3e-5 on all three
   architectures), and pick stock's token at every step but float32 ties (at least 254 of 256);
-  one lost pair, a wrong router weight or a
-  stale row moves margins by 0.1 or more on these models. These cases are the exact check.
+  one lost pair, a wrong router weight or a stale row moves margins by 0.1 or more on these
+  models. These cases are the exact check.
 - bfloat16 (what `make up` serves): one bf16 ulp of difference in a layer's expert output
   reaches the logits through later routers, which on these random models may swap their k-th and
   (k+1)-th expert on it. Measured: transformers' bf16 model with bf16 vs float32 experts moves
