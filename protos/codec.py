@@ -52,8 +52,7 @@ def decode(msg: pb.Tensor) -> torch.Tensor:
     shape = tuple(msg.shape)
     if any(d < 0 for d in shape):
         raise CodecError(f"negative dimension in shape {list(shape)}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = math.prod(shape) * itemsize
+    expected = math.prod(shape) * dtype.itemsize
     if len(msg.data) != expected:
         raise CodecError(
             f"{torch_dtype(msg.dtype)} tensor of shape {list(shape)} needs {expected} bytes, got {len(msg.data)}"

@@ -35,14 +35,19 @@ class ExpertServiceStub(object):
             channel: A grpc.Channel.
         """
         self.Info = channel.unary_unary(
-                '/hetero_moe.expert.v1.ExpertService/Info',
+                '/hetero_moe.expert.v2.ExpertService/Info',
                 request_serializer=protos_dot_expert__pb2.InfoRequest.SerializeToString,
                 response_deserializer=protos_dot_expert__pb2.InfoResponse.FromString,
                 _registered_method=True)
         self.Forward = channel.unary_unary(
-                '/hetero_moe.expert.v1.ExpertService/Forward',
+                '/hetero_moe.expert.v2.ExpertService/Forward',
                 request_serializer=protos_dot_expert__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=protos_dot_expert__pb2.ForwardResponse.FromString,
+                _registered_method=True)
+        self.Echo = channel.unary_unary(
+                '/hetero_moe.expert.v2.ExpertService/Echo',
+                request_serializer=protos_dot_expert__pb2.Tensor.SerializeToString,
+                response_deserializer=protos_dot_expert__pb2.Tensor.FromString,
                 _registered_method=True)
 
 
@@ -63,6 +68,13 @@ class ExpertServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Echo(self, request, context):
+        """Transport probe: the tensor back unchanged, no expert compute.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,11 +88,16 @@ def add_ExpertServiceServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_expert__pb2.ForwardRequest.FromString,
                     response_serializer=protos_dot_expert__pb2.ForwardResponse.SerializeToString,
             ),
+            'Echo': grpc.unary_unary_rpc_method_handler(
+                    servicer.Echo,
+                    request_deserializer=protos_dot_expert__pb2.Tensor.FromString,
+                    response_serializer=protos_dot_expert__pb2.Tensor.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'hetero_moe.expert.v1.ExpertService', rpc_method_handlers)
+            'hetero_moe.expert.v2.ExpertService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('hetero_moe.expert.v1.ExpertService', rpc_method_handlers)
+    server.add_registered_method_handlers('hetero_moe.expert.v2.ExpertService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -101,7 +118,7 @@ class ExpertService(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/hetero_moe.expert.v1.ExpertService/Info',
+            '/hetero_moe.expert.v2.ExpertService/Info',
             protos_dot_expert__pb2.InfoRequest.SerializeToString,
             protos_dot_expert__pb2.InfoResponse.FromString,
             options,
@@ -128,9 +145,36 @@ class ExpertService(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/hetero_moe.expert.v1.ExpertService/Forward',
+            '/hetero_moe.expert.v2.ExpertService/Forward',
             protos_dot_expert__pb2.ForwardRequest.SerializeToString,
             protos_dot_expert__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Echo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero_moe.expert.v2.ExpertService/Echo',
+            protos_dot_expert__pb2.Tensor.SerializeToString,
+            protos_dot_expert__pb2.Tensor.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +32,9 @@ class Placement:
         start = worker * base + min(worker, extra)
         return start, start + base + (1 if worker < extra else 0)
 
-    def owner_table(self) -> torch.Tensor:
+    def owner_table(self) -> np.ndarray:
         """[E] int64: owning worker of each global expert id."""
-        owners = torch.empty(self.num_experts, dtype=torch.int64)
+        owners = np.empty(self.num_experts, dtype=np.int64)
         for w in range(self.num_workers):
             start, end = self.expert_range(w)
             owners[start:end] = w

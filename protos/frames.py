@@ -1,0 +1,271 @@
+"""The data planes' message format: one fixed header, then raw row-major tensor bytes.
+
+The TCP, shared-memory and gRPC-stream planes carry the same frames; with protos/codec.py
+(the protobuf twin) this is the only code that turns tensors into bytes and back.
+
+    header (little-endian, HEADER.size bytes)
+      magic u32, version u16, kind u16, request u64, layer u32, micro_batch u32,
+      rows u32, hidden u32, pairs u32, dtype u16, status u16, payload u64, compute_ns u64
+    FORWARD  payload: hidden [rows, hidden] `dtype` | pair_rows [pairs] int32 |
+                      pair_experts [pairs] int32 | pair_weights [pairs] float32
+    PARTIAL  payload: [rows, hidden] float32; compute_ns: the worker's time in its experts
+    ERROR    payload: utf-8 reason; status: the gRPC status code's value
+    ECHO     payload: bytes the worker sends back unchanged in an ECHO frame (transport probes)
+
+A frame never trusts its header: `Header.unpack` checks magic, version and kind, and
+`payload_size` derives the byte count the shapes imply, which the receiver compares with the
+header's before reading a byte of payload.
+"""
+from __future__ import annotations
+
+import enum
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import grpc
+import torch
+
+from protos import codec
+from protos import expert_pb2 as pb
+
+# Frames over gRPC travel outside protobuf, as the raw bytes of this bidirectional method.
+GRPC_SERVICE = f"{pb.DESCRIPTOR.package}.FrameStream"
+GRPC_METHOD = f"/{GRPC_SERVICE}/Forward"
+
+MAGIC = 0x454F4D48  # b"HMOE"
+FRAME_VERSION = 1
+HEADER = struct.Struct("<IHHQIIIIIHHQQ")
+MAX_PAYLOAD_BYTES = 1 << 30
+_PAIR_BYTES = 4 + 4 + 4  # int32 row, int32 expert, float32 weight
+
+
+def host_id() -> str:
+    """Same on every process of one running Linux host (its boot id): shared memory needs it."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
+
+
+class Kind(enum.IntEnum):
+    FORWARD = 1
+    PARTIAL = 2
+    ERROR = 3
+    ECHO = 4
+
+
+_KINDS = {k.value: k for k in Kind}
+
+
+class FrameError(ValueError):
+    """A header that is not a valid frame of this version, or whose sizes disagree."""
+
+
+class Header(NamedTuple):
+    """A frame's fixed part (a tuple: built and read for every frame on the hot path)."""
+
+    kind: Kind
+    request: int
+    layer: int = 0
+    micro_batch: int = 0
+    rows: int = 0
+    hidden: int = 0
+    pairs: int = 0
+    dtype: int = 0  # wire dtype (protos.expert.proto DType) of the FORWARD rows
+    status: int = 0
+    payload: int = 0
+    compute_ns: int = 0
+
+    def pack(self) -> bytes:
+        return HEADER.pack(MAGIC, FRAME_VERSION, *self)
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview) -> Header:
+        if len(data) != HEADER.size:
+            raise FrameError(f"a frame header is {HEADER.size} bytes, got {len(data)}")
+        magic, version, kind, *fields = HEADER.unpack(data)
+        if magic != MAGIC:
+            raise FrameError(f"not a hetero-moe frame (magic {magic:#010x})")
+        if version != FRAME_VERSION:
+            raise FrameError(f"frame version {version}, this side speaks {FRAME_VERSION}")
+        if kind not in _KINDS:
+            raise FrameError(f"unknown frame kind {kind}")
+        header = cls(_KINDS[kind], *fields)
+        if header.payload > MAX_PAYLOAD_BYTES:
+            raise FrameError(f"payload of {header.payload} bytes exceeds {MAX_PAYLOAD_BYTES}")
+        return header
+
+    def expected_payload(self) -> int | None:
+        """Payload bytes the shapes imply (None: free-size kinds, ERROR and ECHO)."""
+        if self.kind == Kind.FORWARD:
+            return self.rows * self.hidden * codec.torch_dtype(self.dtype).itemsize + self.pairs * _PAIR_BYTES
+        if self.kind == Kind.PARTIAL:
+            return self.rows * self.hidden * 4
+        return None
+
+    def check_payload(self) -> None:
+        expected = self.expected_payload()
+        if expected is not None and expected != self.payload:
+            raise FrameError(
+                f"{self.kind.name} frame of {self.rows} x {self.hidden} rows and {self.pairs} pairs needs "
+                f"{expected} payload bytes, header says {self.payload}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardTensors:
+    """A FORWARD frame's tensors, views into the payload buffer.
+
+    hidden [T, H] any wire dtype; pair_rows, pair_experts [P] int32; pair_weights [P] float32
+    """
+
+    hidden: torch.Tensor
+    pair_rows: torch.Tensor
+    pair_experts: torch.Tensor
+    pair_weights: torch.Tensor
+
+
+def forward_header(request: int, layer: int, micro_batch: int, rows: int, width: int, dtype: torch.dtype,
+                   pairs: int) -> Header:  # fmt: skip
+    payload = rows * width * dtype.itemsize + pairs * _PAIR_BYTES
+    return Header(Kind.FORWARD, request, layer, micro_batch, rows, width, pairs, codec.wire_dtype(dtype), payload=payload)
+
+
+def forward_parts(hidden: torch.Tensor, pairs: torch.Tensor) -> list[memoryview]:
+    """The FORWARD payload as buffers to send back to back (no copy of contiguous tensors).
+
+    pairs: [3, P] int32, row index, expert id and router weight (float32 bits) per pair
+    """
+    assert pairs.dtype == torch.int32 and pairs.shape[0] == 3
+    return [tensor_bytes(hidden), tensor_bytes(pairs)]
+
+
+def reply_offset(request_payload: int) -> int:
+    """Where a reply's payload starts in a shared-memory slot: after the request's, 64-byte aligned."""
+    return -(-request_payload // 64) * 64
+
+
+def reply_size(header: Header) -> int:
+    """Payload bytes of the reply to a request frame."""
+    if header.kind == Kind.FORWARD:
+        return header.rows * header.hidden * 4
+    return header.payload if header.kind == Kind.ECHO else 0
+
+
+def write_forward(buffer: memoryview, hidden: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor) -> int:
+    """Gather hidden[rows] and copy the [3, P] pair block straight into `buffer` (e.g. shared
+    memory); returns the bytes written."""
+    width = hidden.shape[1]
+    if len(rows):
+        out = torch.frombuffer(buffer, dtype=hidden.dtype, count=len(rows) * width).view(len(rows), width)
+        torch.index_select(hidden, 0, rows, out=out)
+    offset = len(rows) * width * hidden.element_size()
+    if pairs.numel():
+        torch.frombuffer(buffer, dtype=torch.int32, count=pairs.numel(), offset=offset).copy_(pairs.reshape(-1))
+    return offset + pairs.numel() * 4
+
+
+def read_forward(header: Header, payload: memoryview | bytearray) -> ForwardTensors:
+    """Views of a FORWARD payload; `header.check_payload()` must have passed."""
+    dtype = codec.torch_dtype(header.dtype)
+    t, h, p = header.rows, header.hidden, header.pairs
+    hidden = _view(payload, dtype, t * h, 0).view(t, h)
+    offset = t * h * dtype.itemsize
+    rows = _view(payload, torch.int32, p, offset)
+    experts = _view(payload, torch.int32, p, offset + 4 * p)
+    weights = _view(payload, torch.float32, p, offset + 8 * p)
+    return ForwardTensors(hidden, rows, experts, weights)
+
+
+def read_partial(header: Header, payload: memoryview | bytearray) -> torch.Tensor:
+    """[rows, hidden] float32 view of a PARTIAL payload."""
+    return _view(payload, torch.float32, header.rows * header.hidden, 0).view(header.rows, header.hidden)
+
+
+def read_bytes(payload: memoryview | bytearray) -> torch.Tensor:
+    """An ECHO payload as a uint8 tensor (a view)."""
+    return _view(payload, torch.uint8, len(payload), 0)
+
+
+def partial_header(request: int, partial: torch.Tensor, compute_ns: int) -> Header:
+    rows, width = partial.shape
+    return Header(Kind.PARTIAL, request, rows=rows, hidden=width, dtype=codec.wire_dtype(torch.float32),
+                  payload=rows * width * 4, compute_ns=compute_ns)  # fmt: skip
+
+
+_STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+def status_name(status: int) -> str:
+    """The gRPC status code name an ERROR frame carries."""
+    return _STATUS_NAMES.get(status, f"status {status}")
+
+
+def error_frame(request: int, status: int, reason: str) -> tuple[Header, bytes]:
+    message = reason.encode()[:65536]
+    return Header(Kind.ERROR, request, status=status, payload=len(message)), message
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, row-major (a view when it is contiguous)."""
+    t = t.contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def _view(buffer, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
+
+
+# ---- frames over a stream socket (TCP) ---------------------------------------------------------
+
+
+def send_frame(sock: socket.socket, header: Header, parts: Sequence[bytes | memoryview] = ()) -> None:
+    send_parts(sock, [header.pack(), *parts])
+
+
+def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
+    """Buffers back to back, in one sendmsg where the kernel takes them all, else in pieces."""
+    buffers = [memoryview(p).cast("B") for p in parts if len(p)]
+    sent = sock.sendmsg(buffers)
+    for buffer in buffers:
+        size = buffer.nbytes
+        if sent >= size:
+            sent -= size
+            continue
+        sock.sendall(buffer[sent:])
+        sent = 0
+
+
+def recv_into_exactly(sock: socket.socket, view: memoryview) -> bool:
+    """Fill `view` from the socket; False on a clean end of stream before the first byte."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if got == 0:
+                return False
+            raise ConnectionResetError(f"stream ended {got} bytes into a {len(view)}-byte read")
+        got += n
+    return True
+
+
+def recv_frame(sock: socket.socket, buffer: bytearray) -> tuple[Header, memoryview] | None:
+    """The next frame, its payload read into `buffer` (grown as needed); None at end of stream.
+
+    Raises FrameError (or codec.CodecError) on a header that is not a valid frame: after that the
+    stream cannot be trusted and the caller closes it.
+    """
+    head = bytearray(HEADER.size)
+    if not recv_into_exactly(sock, memoryview(head)):
+        return None
+    header = Header.unpack(head)
+    header.check_payload()
+    if len(buffer) < header.payload:
+        buffer.extend(bytes(header.payload - len(buffer)))
+    payload = memoryview(buffer)[: header.payload]
+    if header.payload and not recv_into_exactly(sock, payload):
+        raise ConnectionResetError("stream ended before the frame's payload")
+    return header, payload
