@@ -19,10 +19,12 @@ from expert_server import metrics
 from expert_server.config import WorkerConfig
 from expert_server.experts import LocalExperts
 from expert_server.servicer import ExpertServicer
+from expert_server.transport.handler import ExpertHandler
+from expert_server.transport.shm import ShmPlane
+from expert_server.transport.tcp import TcpPlane
 from expert_server.weights import load_shard
 from protos import GRPC_OPTIONS
 from protos import expert_pb2 as pb
-from protos import expert_pb2_grpc as pb_grpc
 from kernels.formats import FormatMismatch, UnsupportedQuantization
 from kernels.oracle import BackendUnavailable
 from protos.checkpoint import CheckpointError, read_checkpoint
@@ -43,8 +45,13 @@ async def serve(cfg: WorkerConfig) -> None:
     start, end = Placement(ckpt.num_experts, cfg.num_workers).expert_range(cfg.worker_index)
     device = torch.device(cfg.device)
     shard = load_shard(ckpt, start, end, device, cfg.weight_format, cfg.kernel_backend, cfg.group_size)
-    experts = LocalExperts(ckpt, start, end, shard, device)
-    servicer = ExpertServicer(experts, cfg.worker_index, cfg.num_workers)
+    handler = ExpertHandler(LocalExperts(ckpt, start, end, shard, device))
+    planes = []
+    if "tcp" in cfg.data_planes:
+        planes.append(TcpPlane(handler, cfg.host, cfg.data_port))
+    if "shm" in cfg.data_planes:
+        planes.append(ShmPlane(handler))
+    servicer = ExpertServicer(handler, cfg.worker_index, cfg.num_workers, [p.advertise() for p in planes])
     metrics.SHARD.info({
         "worker": str(cfg.worker_index),
         "experts": f"[{start}, {end})",
@@ -53,7 +60,7 @@ async def serve(cfg: WorkerConfig) -> None:
     })
 
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    pb_grpc.add_ExpertServiceServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers(servicer.rpc_handlers())
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -63,12 +70,15 @@ async def serve(cfg: WorkerConfig) -> None:
     if port == 0:
         raise SystemExit(f"expert_server: cannot bind {cfg.host}:{cfg.port}")
     await server.start()
+    for plane in planes:
+        plane.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics.UP.set(1)
     logger.info(
-        "worker %d/%d serving experts [%d, %d) of %s on %s:%d",
+        "worker %d/%d serving experts [%d, %d) of %s on %s:%d; data planes: gRPC%s",
         cfg.worker_index, cfg.num_workers, start, end, ckpt.model_type, cfg.host, port,
+        "".join(f", {p.kind}" + (f" port {p.port}" if p.kind == "tcp" else "") for p in planes),
     )
 
     stop = asyncio.Event()
@@ -80,6 +90,8 @@ async def serve(cfg: WorkerConfig) -> None:
     metrics.UP.set(0)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=2.0)
+    for plane in planes:
+        plane.close()
     servicer.close()
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 WEIGHT_FORMATS = ("checkpoint", "w4a16")
+DATA_PLANES = ("tcp", "shm")  # offered besides gRPC, which every worker serves
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,8 @@ class WorkerConfig:
     weight_format: str = "checkpoint"  # "checkpoint": as stored; "w4a16": quantize 16-bit experts on load
     kernel_backend: str | None = None  # force a backend; None lets the oracle choose
     group_size: int = 128  # quantize-on-load group
+    data_planes: tuple[str, ...] = DATA_PLANES
+    data_port: int = 0  # TCP data plane port; 0 picks a free one (Info tells the attention node)
 
     def __post_init__(self) -> None:
         if not self.model.is_dir():
@@ -37,6 +40,10 @@ class WorkerConfig:
             raise ValueError(f"--group-size must be 32, 64 or 128, got {self.group_size}")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise ValueError(f"--metrics-port {self.metrics_port} is not a TCP port")
+        if unknown := set(self.data_planes) - set(DATA_PLANES):
+            raise ValueError(f"--data-planes: unknown {sorted(unknown)}; choose from {DATA_PLANES}")
+        if not 0 <= self.data_port < 65536:
+            raise ValueError(f"--data-port {self.data_port} is not a TCP port")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
 
@@ -55,6 +62,9 @@ class WorkerConfig:
                        help="checkpoint: serve experts as stored; w4a16: quantize 16-bit experts on load")
         p.add_argument("--kernel-backend", default=None, help="force hip_fdot2, triton, cpu or reference")
         p.add_argument("--group-size", type=int, default=128, help="quantize-on-load group size (32, 64, 128)")
+        p.add_argument("--data-planes", default=",".join(DATA_PLANES),
+                       help="data planes to offer besides gRPC: tcp (any host), shm (same host); '' for none")
+        p.add_argument("--data-port", type=int, default=0, help="TCP data plane port (0 picks a free one)")
         a = p.parse_args(argv)
         return cls(
             model=a.model,
@@ -68,4 +78,6 @@ class WorkerConfig:
             weight_format=a.weight_format,
             kernel_backend=a.kernel_backend,
             group_size=a.group_size,
+            data_planes=tuple(x.strip() for x in a.data_planes.split(",") if x.strip()),
+            data_port=a.data_port,
         )

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from expert_server.weights import LoadedShard
@@ -69,7 +70,8 @@ class LocalExperts:
                 f"pair tensors differ in length: rows {num_pairs}, experts {pair_experts.shape[0]}, "
                 f"weights {pair_weights.shape[0]}"
             )
-        rows, experts = pair_rows.long(), pair_experts.long()
+        # The pair checks run on numpy views: per request, torch's dispatch would cost more than the checks.
+        rows, experts = pair_rows.numpy().astype(np.int64), pair_experts.numpy().astype(np.int64)
         if num_pairs:
             if rows.min() < 0 or rows.max() >= hidden.shape[0]:
                 raise RequestError(f"pair_rows must lie in [0, {hidden.shape[0]}), got [{rows.min()}, {rows.max()}]")
@@ -77,13 +79,13 @@ class LocalExperts:
                 raise RequestError(
                     f"expert ids [{experts.min()}, {experts.max()}] are outside this worker's [{self.start}, {self.end})"
                 )
-            if torch.unique(rows * self.ckpt.num_experts + experts).numel() != num_pairs:
+            if np.unique(rows * self.ckpt.num_experts + experts).size != num_pairs:
                 raise RequestError("a (row, expert) pair appears more than once")
         return ExpertBatch(
             layer=layer,
             hidden=hidden.to(self.device),
-            pair_rows=rows.to(self.device),
-            pair_experts=(experts - self.start).to(self.device),
+            pair_rows=torch.from_numpy(rows).to(self.device),
+            pair_experts=torch.from_numpy(experts - self.start).to(self.device),
             pair_weights=pair_weights.to(self.device),
         )
 

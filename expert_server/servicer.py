@@ -1,35 +1,27 @@
-"""gRPC edge of the worker: decode -> validate -> compute -> encode, and status mapping."""
+"""gRPC edge of the worker: Info, the unary protobuf Forward and the raw-bytes frame stream.
+
+Every request goes through the shared `ExpertHandler` (validate -> compute -> count), whose
+statuses come from expert_server/status.py; this module only decodes and encodes.
+"""
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from expert_server import metrics
-from expert_server.experts import LocalExperts, RequestError
-from protos import PROTOCOL_VERSION, codec
+from expert_server.transport.handler import ExpertHandler, Refused
+from protos import PROTOCOL_VERSION, codec, frames
 from protos import expert_pb2 as pb
-from protos import expert_pb2_grpc as pb_grpc
-
-logger = logging.getLogger(__name__)
-
-# The one place where exceptions become gRPC statuses.
-_STATUS = {RequestError: grpc.StatusCode.INVALID_ARGUMENT, codec.CodecError: grpc.StatusCode.INVALID_ARGUMENT}
+from protos.frames import HEADER, Header
 
 
-def status_for(exc: Exception) -> grpc.StatusCode:
-    for kind, code in _STATUS.items():
-        if isinstance(exc, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
-
-
-class ExpertServicer(pb_grpc.ExpertServiceServicer):
-    def __init__(self, experts: LocalExperts, worker_index: int, num_workers: int):
-        self.experts = experts
+class ExpertServicer:
+    def __init__(self, handler: ExpertHandler, worker_index: int, num_workers: int, data_planes: list[pb.DataPlane]):
+        self.handler = handler
+        experts = handler.experts
         ckpt = experts.ckpt
         self.info = pb.InfoResponse(
             protocol_version=PROTOCOL_VERSION,
@@ -46,40 +38,73 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             weight_format=experts.shard.weight_format,
             kernel_backend=experts.shard.kernel_backend,
             activation=ckpt.activation,
+            data_planes=data_planes,
         )
-        # One compute thread: requests run in arrival order and the event loop
+        # One gRPC compute thread: requests run in arrival order and the event loop
         # stays free for health checks while torch works.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="experts")
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         return self.info
 
-    async def Forward(self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
-        start = time.perf_counter()
-        metrics.BYTES_RECEIVED.inc(sum(len(t.data) for t in (request.hidden, request.pair_rows,
-                                                              request.pair_experts, request.pair_weights)))
+    async def Forward(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
+        """The unary protobuf Forward; parsed here so that a request that does not parse is an
+        INVALID_ARGUMENT with the reason (gRPC's own deserializer would answer a bare UNKNOWN)."""
         try:
-            batch = self.experts.make_batch(
-                request.layer,
-                codec.decode(request.hidden),
-                codec.decode(request.pair_rows),
-                codec.decode(request.pair_experts),
-                codec.decode(request.pair_weights),
+            try:
+                request = pb.ForwardRequest.FromString(raw)
+            except DecodeError as exc:
+                raise self.handler.refusal(codec.CodecError(f"ForwardRequest does not parse: {exc}")) from None
+            wire = (request.hidden, request.pair_rows, request.pair_experts, request.pair_weights)
+            try:
+                tensors = [codec.decode(t) for t in wire]
+            except codec.CodecError as exc:
+                raise self.handler.refusal(exc) from None
+            partial, _ = await asyncio.get_running_loop().run_in_executor(
+                self._compute, self.handler.forward, request.layer, *tensors, sum(len(t.data) for t in wire)
             )
-            partial = await asyncio.get_running_loop().run_in_executor(self._compute, self.experts.forward, batch)
-        except Exception as exc:  # mapped to a status; the worker keeps serving
-            code = status_for(exc)
-            metrics.REQUESTS.labels(code.name).inc()
-            if code == grpc.StatusCode.INTERNAL:
-                logger.exception("Forward failed on layer %d", request.layer)
-            await context.abort(code, f"{type(exc).__name__}: {exc}")
-        response = pb.ForwardResponse(partial=codec.encode(partial))
-        metrics.BYTES_SENT.inc(len(response.partial.data))
-        metrics.ROWS.inc(partial.shape[0])
-        metrics.PAIRS.inc(batch.pair_rows.shape[0])
-        metrics.REQUESTS.labels(grpc.StatusCode.OK.name).inc()
-        metrics.FORWARD_SECONDS.observe(time.perf_counter() - start)
-        return response
+        except Refused as refused:
+            await context.abort(refused.code, refused.reason)
+        return pb.ForwardResponse(partial=codec.encode(partial))
+
+    async def Echo(self, request: pb.Tensor, context: grpc.aio.ServicerContext) -> pb.Tensor:
+        return request
+
+    async def forward_frames(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext):
+        """FrameStream/Forward: one reply frame per request frame, in order."""
+        loop = asyncio.get_running_loop()
+        async for message in requests:
+            try:
+                header = Header.unpack(memoryview(message)[: HEADER.size])
+                if header.payload != len(message) - HEADER.size:
+                    raise frames.FrameError(f"header says {header.payload} payload bytes, message has "
+                                            f"{len(message) - HEADER.size}")  # fmt: skip
+            except (frames.FrameError, codec.CodecError) as err:
+                reply = self.handler.refuse_stream(err)
+            else:
+                if header.kind == frames.Kind.ECHO:  # a transport probe: nothing to compute, no copy
+                    yield message
+                    continue
+                payload = bytearray(memoryview(message)[HEADER.size :])  # tensors need a writable buffer
+                reply = await loop.run_in_executor(self._compute, self.handler.handle, header, payload)
+            yield reply.header.pack() + bytes(reply.payload_bytes())
+
+    def rpc_handlers(self) -> tuple[grpc.GenericRpcHandler, ...]:
+        """ExpertService as the .proto declares it (Forward's request parsed by Forward itself), and
+        the frame stream, whose messages are raw bytes."""
+        service = pb.DESCRIPTOR.services_by_name["ExpertService"].full_name
+        expert_service = {
+            "Info": grpc.unary_unary_rpc_method_handler(
+                self.Info, request_deserializer=pb.InfoRequest.FromString,
+                response_serializer=pb.InfoResponse.SerializeToString),
+            "Forward": grpc.unary_unary_rpc_method_handler(
+                self.Forward, response_serializer=pb.ForwardResponse.SerializeToString),
+            "Echo": grpc.unary_unary_rpc_method_handler(
+                self.Echo, request_deserializer=pb.Tensor.FromString, response_serializer=pb.Tensor.SerializeToString),
+        }  # fmt: skip
+        frame_stream = {"Forward": grpc.stream_stream_rpc_method_handler(self.forward_frames)}
+        return (grpc.method_handlers_generic_handler(service, expert_service),
+                grpc.method_handlers_generic_handler(frames.GRPC_SERVICE, frame_stream))  # fmt: skip
 
     def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,20 @@
+"""The one place where exceptions of a request become gRPC status codes, for every plane."""
+from __future__ import annotations
+
+import grpc
+
+from expert_server.experts import RequestError
+from protos import codec, frames
+
+_STATUS = {
+    RequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    codec.CodecError: grpc.StatusCode.INVALID_ARGUMENT,
+    frames.FrameError: grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+
+def status_for(exc: Exception) -> grpc.StatusCode:
+    for kind, code in _STATUS.items():
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL

@@ -1,0 +1,108 @@
+"""One request in, one answer out: validate -> compute -> count, for every plane.
+
+The unary gRPC Forward (protobuf), the gRPC frame stream and the TCP and shared-memory planes all
+go through `ExpertHandler`, so a request is validated, computed, counted and refused the same
+way whichever plane carried it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from expert_server import metrics
+from expert_server.experts import LocalExperts
+from expert_server.status import status_for
+from protos import frames
+from protos.frames import Header, Kind
+
+logger = logging.getLogger(__name__)
+
+
+class Refused(Exception):
+    """A request answered with an error status instead of a partial."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str):
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A reply frame: its header, and the partial [T, H] float32 (PARTIAL) or the payload bytes
+    (ERROR, ECHO); each plane writes them where its payloads go."""
+
+    header: Header
+    partial: torch.Tensor | None = None
+    payload: bytes | memoryview = b""
+
+    def payload_bytes(self) -> bytes | memoryview:
+        return frames.tensor_bytes(self.partial) if self.partial is not None else self.payload
+
+
+class ExpertHandler:
+    """This worker's experts behind every plane; one computation at a time."""
+
+    def __init__(self, experts: LocalExperts):
+        self.experts = experts
+        self._compute = threading.Lock()
+        self._ok = metrics.REQUESTS.labels(grpc.StatusCode.OK.name)
+
+    def forward(self, layer: int, hidden: torch.Tensor, pair_rows: torch.Tensor, pair_experts: torch.Tensor,
+                pair_weights: torch.Tensor, payload_bytes: int) -> tuple[torch.Tensor, int]:  # fmt: skip
+        """(partial [T, H] float32, nanoseconds in the experts); raises Refused, counted either way."""
+        start = time.perf_counter()
+        metrics.BYTES_RECEIVED.inc(payload_bytes)
+        try:
+            batch = self.experts.make_batch(layer, hidden, pair_rows, pair_experts, pair_weights)
+            with self._compute:
+                compute_start = time.perf_counter_ns()
+                partial = self.experts.forward(batch)
+                compute_ns = time.perf_counter_ns() - compute_start
+        except Exception as exc:  # mapped to a status; the worker keeps serving
+            if status_for(exc) == grpc.StatusCode.INTERNAL:
+                logger.exception("Forward failed on layer %d", layer)
+            raise self.refusal(exc) from None
+        metrics.BYTES_SENT.inc(partial.numel() * partial.element_size())
+        metrics.ROWS.inc(partial.shape[0])
+        metrics.PAIRS.inc(batch.pair_rows.shape[0])
+        self._ok.inc()
+        metrics.FORWARD_SECONDS.observe(time.perf_counter() - start)
+        return partial, compute_ns
+
+    def handle(self, header: Header, payload: memoryview | bytearray | bytes) -> Reply:
+        """A request frame whose `payload` holds exactly header.payload bytes -> the reply frame."""
+        try:
+            header.check_payload()
+            if header.kind == Kind.ECHO:
+                return Reply(Header(Kind.ECHO, header.request, payload=len(payload)), payload=payload)
+            if header.kind != Kind.FORWARD:
+                raise frames.FrameError(f"a worker answers FORWARD and ECHO frames, not {header.kind.name}")
+            t = frames.read_forward(header, payload)
+            partial, compute_ns = self.forward(header.layer, t.hidden, t.pair_rows, t.pair_experts, t.pair_weights,
+                                               header.payload)  # fmt: skip
+        except Refused as refused:
+            return self.error(header.request, refused)
+        except Exception as exc:  # a frame that does not decode
+            return self.error(header.request, self.refusal(exc))
+        return Reply(frames.partial_header(header.request, partial, compute_ns), partial=partial)
+
+    @staticmethod
+    def refusal(exc: Exception) -> Refused:
+        """The status a failed request gets, counted once."""
+        code = status_for(exc)
+        metrics.REQUESTS.labels(code.name).inc()
+        return Refused(code, f"{type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def error(request: int, refused: Refused) -> Reply:
+        header, message = frames.error_frame(request, refused.code.value[0], refused.reason)
+        return Reply(header, payload=message)
+
+    def refuse_stream(self, err: Exception) -> Reply:
+        """The reply to a frame header that could not be read (on TCP the stream's framing is lost)."""
+        return self.error(0, self.refusal(err))

@@ -1,0 +1,68 @@
+"""Frames through shared memory (the same-host data plane).
+
+The client creates one memfd segment per micro-batch slot and passes it over an abstract Unix
+socket (SOCK_SEQPACKET, SCM_RIGHTS), so nothing has a name in /dev/shm or on disk: when either
+side dies, even by kill -9, the kernel frees the segments and the socket. Per frame only the
+header travels over the socket. A slot holds the request payload at offset 0 and the reply's at
+`frames.reply_offset(request payload)`.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import uuid
+
+import torch
+
+from expert_server.transport.base import Plane
+from expert_server.transport.handler import ExpertHandler, Reply
+from protos import codec, frames
+from protos import expert_pb2 as pb
+from protos.frames import HEADER, FrameError, Header, Kind
+
+class ShmPlane(Plane):
+    kind = "shm"
+
+    def __init__(self, handler: ExpertHandler):
+        self.address = f"\0hetero-moe-{uuid.uuid4().hex}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(self.address)
+        listener.listen(64)
+        super().__init__(handler, listener)
+
+    def advertise(self) -> pb.DataPlane:
+        return pb.DataPlane(kind=self.kind, address=self.address[1:], host_id=frames.host_id())
+
+    def serve(self, conn: socket.socket) -> None:
+        segments: dict[int, mmap.mmap] = {}  # per micro-batch slot; unmapped when dropped
+        while True:
+            message, fds, _, _ = socket.recv_fds(conn, HEADER.size, 1)
+            if not message:
+                return
+            try:
+                header = Header.unpack(message)
+                header.check_payload()
+            except (FrameError, codec.CodecError) as err:
+                reply = self.handler.refuse_stream(err)
+            else:
+                if fds:  # a new (or larger) segment for this slot's frames
+                    segments[header.micro_batch] = mmap.mmap(fds[0], 0)
+                reply = self._answer(header, segments.get(header.micro_batch))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            conn.send(reply.header.pack() + (bytes(reply.payload) if reply.header.kind == Kind.ERROR else b""))
+
+    def _answer(self, header: Header, segment: mmap.mmap | None) -> Reply:
+        reply_at = frames.reply_offset(header.payload)
+        if segment is None or reply_at + frames.reply_size(header) > len(segment):
+            missing = FrameError("the shared segment is missing or too small for this frame and its reply")
+            return self.handler.error(header.request, self.handler.refusal(missing))
+        reply = self.handler.handle(header, memoryview(segment)[: header.payload])
+        if reply.partial is not None and reply.partial.numel():
+            flat = reply.partial.reshape(-1)
+            torch.frombuffer(segment, dtype=torch.float32, count=flat.numel(), offset=reply_at).copy_(flat)
+        elif reply.header.kind == Kind.ECHO:
+            segment[reply_at : reply_at + reply.header.payload] = reply.payload
+        return reply
