@@ -10,8 +10,11 @@ import argparse
 import logging
 import sys
 
-from attention_server.config import DEFAULT_REQUEST_TIMEOUT_S, AttentionConfig, share_metrics_across_processes
+from attention_server.config import (
+    DATA_PLANES, DEFAULT_REQUEST_TIMEOUT_S, AttentionConfig, share_metrics_across_processes,
+)  # fmt: skip
 from attention_server.handshake import WorkerMismatchError, check_workers
+from attention_server.transport.factory import PlaneUnavailable, open_channel
 from protos.checkpoint import CheckpointError, read_checkpoint
 
 logger = logging.getLogger("attention_server")
@@ -23,6 +26,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--expert-endpoints", default="", help="HOST:PORT of worker 0, worker 1, ... (comma-separated)")
     p.add_argument("--expert-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, help="seconds per Forward RPC")
     p.add_argument("--worker-ready-timeout", type=float, default=120.0, help="seconds to wait for each worker at start")
+    p.add_argument("--data-plane", choices=DATA_PLANES, default="auto",
+                   help="how routed rows travel: auto (shared memory on this host, TCP across hosts), shm, tcp, grpc")
     ours, vllm_args = p.parse_known_args(argv)
     return ours, ["--model", ours.model, *vllm_args]
 
@@ -49,10 +54,14 @@ def main(argv: list[str] | None = None) -> None:
     ours, vllm_argv = parse_args(sys.argv[1:] if argv is None else argv)
     if ours.expert_endpoints:
         try:
-            cfg = AttentionConfig.from_flags(ours.expert_endpoints, ours.expert_timeout)
+            cfg = AttentionConfig.from_flags(ours.expert_endpoints, ours.expert_timeout, ours.data_plane)
             ckpt = read_checkpoint(ours.model)
-            check_workers(cfg.expert_endpoints, ckpt, ours.worker_ready_timeout)
-        except (ValueError, CheckpointError, WorkerMismatchError) as err:
+            infos = check_workers(cfg.expert_endpoints, ckpt, ours.worker_ready_timeout)
+            for worker, (endpoint, info) in enumerate(zip(cfg.expert_endpoints, infos)):
+                channel = open_channel(worker, endpoint, info, cfg.data_plane, cfg.request_timeout_s)
+                logger.info("worker %d at %s: data plane %s", worker, endpoint, channel.plane)
+                channel.close()
+        except (ValueError, CheckpointError, WorkerMismatchError, PlaneUnavailable) as err:
             logger.error("refusing to start: %s", err)
             raise SystemExit(2) from None
         cfg.publish()

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 ENDPOINTS_ENV = "HETERO_MOE_EXPERT_ENDPOINTS"
 TIMEOUT_ENV = "HETERO_MOE_REQUEST_TIMEOUT_S"
+DATA_PLANE_ENV = "HETERO_MOE_DATA_PLANE"
+DATA_PLANES = ("auto", "shm", "tcp", "grpc")
 DEFAULT_REQUEST_TIMEOUT_S = 60.0
 PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -30,6 +32,7 @@ class AttentionConfig:
 
     expert_endpoints: tuple[str, ...]
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    data_plane: str = "auto"  # auto: shared memory on this host, TCP across hosts, else the gRPC stream
 
     def __post_init__(self) -> None:
         if not self.expert_endpoints:
@@ -40,10 +43,12 @@ class AttentionConfig:
             raise ValueError(f"expert endpoints repeat: {list(self.expert_endpoints)}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request timeout must be > 0 s, got {self.request_timeout_s}")
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(f"data plane {self.data_plane!r} is not one of {DATA_PLANES}")
 
     @classmethod
-    def from_flags(cls, endpoints: str, request_timeout_s: float) -> AttentionConfig:
-        return cls(tuple(e.strip() for e in endpoints.split(",") if e.strip()), request_timeout_s)
+    def from_flags(cls, endpoints: str, request_timeout_s: float, data_plane: str = "auto") -> AttentionConfig:
+        return cls(tuple(e.strip() for e in endpoints.split(",") if e.strip()), request_timeout_s, data_plane)
 
     @classmethod
     def from_env(cls) -> AttentionConfig | None:
@@ -51,12 +56,15 @@ class AttentionConfig:
         endpoints = os.environ.get(ENDPOINTS_ENV, "")
         if not endpoints:
             return None
-        return cls.from_flags(endpoints, float(os.environ.get(TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT_S)))
+        return cls.from_flags(
+            endpoints, float(os.environ.get(TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT_S)), os.environ.get(DATA_PLANE_ENV, "auto")
+        )
 
     def publish(self) -> None:
         """Export to the environment inherited by vLLM's processes."""
         os.environ[ENDPOINTS_ENV] = ",".join(self.expert_endpoints)
         os.environ[TIMEOUT_ENV] = repr(self.request_timeout_s)
+        os.environ[DATA_PLANE_ENV] = self.data_plane
 
 
 def share_metrics_across_processes() -> tempfile.TemporaryDirectory | None:

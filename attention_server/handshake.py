@@ -40,20 +40,27 @@ def expected_differences(info: pb.InfoResponse, ckpt: MoeCheckpoint, worker: int
     return diffs
 
 
+def fetch_info(worker: int, endpoint: str, ready_timeout_s: float) -> pb.InfoResponse:
+    """The worker's Info, once it answers; WorkerMismatchError when it does not in time."""
+    with grpc.insecure_channel(endpoint, options=GRPC_OPTIONS) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=ready_timeout_s)
+            return pb_grpc.ExpertServiceStub(channel).Info(pb.InfoRequest(), timeout=ready_timeout_s)
+        except grpc.FutureTimeoutError:
+            raise WorkerMismatchError(f"worker {worker} at {endpoint}: not reachable within {ready_timeout_s:.0f} s") from None
+        except grpc.RpcError as err:
+            raise WorkerMismatchError(f"worker {worker} at {endpoint}: Info failed: {err.code().name}: {err.details()}") from None
+
+
 def check_workers(endpoints: tuple[str, ...], ckpt: MoeCheckpoint, ready_timeout_s: float) -> list[pb.InfoResponse]:
     """Wait for each worker, then compare its Info; raise WorkerMismatchError naming every difference."""
     infos, problems = [], []
     for worker, endpoint in enumerate(endpoints):
-        with grpc.insecure_channel(endpoint, options=GRPC_OPTIONS) as channel:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=ready_timeout_s)
-                info = pb_grpc.ExpertServiceStub(channel).Info(pb.InfoRequest(), timeout=ready_timeout_s)
-            except grpc.FutureTimeoutError:
-                problems.append(f"worker {worker} at {endpoint}: not reachable within {ready_timeout_s:.0f} s")
-                continue
-            except grpc.RpcError as err:
-                problems.append(f"worker {worker} at {endpoint}: Info failed: {err.code().name}: {err.details()}")
-                continue
+        try:
+            info = fetch_info(worker, endpoint, ready_timeout_s)
+        except WorkerMismatchError as err:
+            problems.append(str(err))
+            continue
         diffs = expected_differences(info, ckpt, worker, len(endpoints))
         problems += [f"worker {worker} at {endpoint}: {d}" for d in diffs]
         infos.append(info)

@@ -8,9 +8,47 @@ when it runs several API servers), and these series appear on vLLM's own
 """
 from __future__ import annotations
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 DISPATCH_MESSAGES = Counter("hetero_moe_dispatch_messages", "Forward messages sent to each expert worker", ["worker"])
 DISPATCH_ROWS = Counter("hetero_moe_dispatch_rows", "Token rows sent to each expert worker", ["worker"])
 DISPATCH_PAIRS = Counter("hetero_moe_dispatch_pairs", "(token, expert) pairs sent to each expert worker", ["worker"])
 ROUTED_TOKENS = Counter("hetero_moe_route_tokens", "Tokens routed to remote experts, per MoE layer", ["layer"])
+TRANSPORT_PLANE = Gauge(
+    "hetero_moe_transport_plane", "1 for the data plane that carries each worker's frames", ["worker", "plane"],
+    multiprocess_mode="livemax",
+)
+
+
+class DispatchCounts:
+    """What the plugin sent, added up over a step and published once per step.
+
+    prometheus_client's multiprocess counters cost about a microsecond or two per increment, and
+    one layer would make a dozen; the totals on /metrics are current after every step.
+    """
+
+    def __init__(self, num_workers: int):
+        self.sent = [[0, 0, 0] for _ in range(num_workers)]  # per worker: messages, rows, pairs
+        self.routed: dict[int, int] = {}  # tokens per MoE layer
+        workers = [str(w) for w in range(num_workers)]
+        self._series = [
+            [DISPATCH_MESSAGES.labels(w), DISPATCH_ROWS.labels(w), DISPATCH_PAIRS.labels(w)] for w in workers
+        ]
+
+    def add(self, layer: int, num_tokens: int, slices) -> None:
+        self.routed[layer] = self.routed.get(layer, 0) + num_tokens
+        for part in slices:
+            sent = self.sent[part.worker]
+            sent[0] += 1
+            sent[1] += len(part.rows)
+            sent[2] += part.num_pairs
+
+    def publish(self) -> None:
+        for sent, series in zip(self.sent, self._series):
+            if sent[0]:
+                for value, counter in zip(sent, series):
+                    counter.inc(value)
+                sent[:] = [0, 0, 0]
+        for layer, tokens in self.routed.items():
+            ROUTED_TOKENS.labels(str(layer)).inc(tokens)
+        self.routed.clear()

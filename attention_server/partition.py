@@ -1,8 +1,14 @@
-"""Stage 2: split a layer's (token, expert) pairs by the worker that owns the expert."""
+"""Stage 2: split a layer's (token, expert) pairs by the worker that owns the expert.
+
+Runs on the host for every MoE layer of every step, so it works on numpy views of the routing
+(a few microseconds per operation, where torch's dispatch costs several times that at decode
+sizes) and hands out torch views of the result.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -10,17 +16,33 @@ import torch
 class WorkerSlice:
     """The part of a micro-batch one worker computes.
 
-    rows:         [T_w] int64 token indices into the layer input, ascending
-    pair_rows:    [P_w] int32 index into `rows`
-    pair_experts: [P_w] int32 global expert ids
-    pair_weights: [P_w] float32 router weights
+    rows:  [T_w] int64 token indices into the layer input, ascending
+    pairs: [3, P_w] int32, the wire's pair block: row index into `rows`, global expert id,
+           router weight (float32 bits); read through the properties below
     """
 
     worker: int
     rows: torch.Tensor
-    pair_rows: torch.Tensor
-    pair_experts: torch.Tensor
-    pair_weights: torch.Tensor
+    pairs: torch.Tensor
+
+    @property
+    def pair_rows(self) -> torch.Tensor:
+        """[P_w] int32 index into `rows`."""
+        return self.pairs[0]
+
+    @property
+    def pair_experts(self) -> torch.Tensor:
+        """[P_w] int32 global expert ids."""
+        return self.pairs[1]
+
+    @property
+    def pair_weights(self) -> torch.Tensor:
+        """[P_w] float32 router weights."""
+        return self.pairs[2].view(torch.float32)
+
+    @property
+    def num_pairs(self) -> int:
+        return self.pairs.shape[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,24 +53,29 @@ class DispatchPlan:
     slices: tuple[WorkerSlice, ...]  # ascending worker index
 
 
-def partition(topk_ids: torch.Tensor, topk_weights: torch.Tensor, owners: torch.Tensor) -> DispatchPlan:
-    """topk_ids, topk_weights: [T, k]; owners: [E] owning worker per expert."""
+def partition(topk_ids: torch.Tensor, topk_weights: torch.Tensor, owners: np.ndarray) -> DispatchPlan:
+    """topk_ids, topk_weights: [T, k]; owners: [E] int64, the worker that holds each expert."""
     num_tokens, k = topk_ids.shape
-    ids = topk_ids.reshape(-1).long().cpu()  # [T*k]
-    weights = topk_weights.reshape(-1).float().cpu()  # [T*k]
-    tokens = torch.arange(num_tokens).repeat_interleave(k)  # [T*k]
-    worker_of_pair = owners[ids]  # [T*k]
+    ids = topk_ids.reshape(-1).cpu().numpy().astype(np.int32, copy=False)  # [P = T*k]
+    weights = topk_weights.reshape(-1).float().cpu().numpy()  # [P]
+    order = np.argsort(owners[ids], kind="stable")  # pairs grouped by worker, token order kept in each
+    workers = owners[ids[order]]  # [P] ascending
+    tokens = order // k  # [P] token of each pair
+    new_worker = np.empty(len(order), dtype=bool)
+    new_worker[0], new_worker[1:] = True, workers[1:] != workers[:-1]
+    new_row = new_worker | np.concatenate(([True], tokens[1:] != tokens[:-1]))  # first pair of a (worker, token)
+    row_number = np.cumsum(new_row) - 1  # [P] global row count; minus each worker's first gives its row index
+    starts = np.flatnonzero(new_worker)
+    pairs = np.empty((3, len(order)), dtype=np.int32)
+    pairs[0] = row_number - np.repeat(row_number[starts], np.diff(starts, append=len(order)))
+    pairs[1] = ids[order]
+    pairs[2] = weights[order].view(np.int32)
+    rows = tokens[new_row]  # [sum of T_w] each worker's rows, back to back
+    row_starts = row_number[starts]
     slices = []
-    for worker in torch.unique(worker_of_pair).tolist():
-        mask = worker_of_pair == worker
-        rows, pair_rows = torch.unique(tokens[mask], return_inverse=True)
-        slices.append(
-            WorkerSlice(
-                worker=worker,
-                rows=rows,
-                pair_rows=pair_rows.to(torch.int32),
-                pair_experts=ids[mask].to(torch.int32),
-                pair_weights=weights[mask],
-            )
-        )
+    for i, (start, row_start) in enumerate(zip(starts.tolist(), row_starts.tolist())):
+        end = starts[i + 1] if i + 1 < len(starts) else len(order)
+        row_end = row_starts[i + 1] if i + 1 < len(starts) else len(rows)
+        slices.append(WorkerSlice(int(workers[start]), torch.from_numpy(rows[row_start:row_end]),
+                                  torch.from_numpy(np.ascontiguousarray(pairs[:, start:end]))))  # fmt: skip
     return DispatchPlan(num_tokens=num_tokens, slices=tuple(slices))

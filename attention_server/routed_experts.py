@@ -8,10 +8,10 @@ One MoE layer, for a micro-batch of T tokens (H hidden, k experts per token):
     partition ──▶ DispatchPlan: per worker, unique rows [T_w] + (row, expert, weight) pairs
          │
          ▼
-    dispatch ───▶ Forward RPC to each worker with pairs (none to idle ones) ──▶ Pending
-         │                                                    │  workers: W4A16/bf16 experts,
-    shared experts run here meanwhile (Qwen2-MoE)             │  float32 sum over their experts
-         │                                                    ▼
+    transport.send ─▶ a frame to each worker with pairs (none to idle ones) ─▶ Pending
+         │            over its data plane: shared memory,     │  workers: W4A16/bf16 experts,
+         │            TCP or a gRPC stream (transport/)       │  float32 sum over their experts
+    shared experts run here meanwhile (Qwen2-MoE)             ▼
     Pending.wait() ◀──────────────────────────── [T_w, H] float32 partials
          │
          ▼
@@ -20,8 +20,10 @@ One MoE layer, for a micro-batch of T tokens (H hidden, k experts per token):
 Dispatch and combine are two opaque custom ops so that vLLM's compiled
 (Dynamo, fullgraph) forward can contain a network call; the dispatch op
 returns an empty token tensor that the combine op consumes, which keeps them
-ordered. Pool A never allocates or reads routed-expert weights: the layer's
-quant method creates no parameters and the loader skips their tensors.
+ordered. The ops find their layer as vLLM's own do, in the forward context's
+`no_compile_layers`; work in flight is keyed by (layer, micro-batch). Pool A
+never allocates or reads routed-expert weights: the layer's quant method
+creates no parameters and the loader skips their tensors.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ import logging
 from collections.abc import Iterable
 
 import torch
+from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
@@ -40,12 +44,14 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.worker.ubatching import dbo_current_ubatch_id
 
 from attention_server import metrics
 from attention_server.combine import combine
 from attention_server.config import AttentionConfig
-from attention_server.dispatch import ExpertClient, Pending, dispatch
-from attention_server.partition import DispatchPlan, partition
+from attention_server.handshake import fetch_info
+from attention_server.partition import partition
+from attention_server.transport import factory
 from protos.placement import Placement
 
 logger = logging.getLogger(__name__)
@@ -60,19 +66,14 @@ class ExpertPool:
 
     def __init__(self, cfg: AttentionConfig, num_experts: int):
         self.owners = Placement(num_experts, len(cfg.expert_endpoints)).owner_table()  # [E] worker per expert
-        self.clients = [
-            ExpertClient(worker, endpoint, cfg.request_timeout_s) for worker, endpoint in enumerate(cfg.expert_endpoints)
-        ]
-        workers = [str(w) for w in range(len(self.clients))]
-        self.sent_messages = [metrics.DISPATCH_MESSAGES.labels(w) for w in workers]
-        self.sent_rows = [metrics.DISPATCH_ROWS.labels(w) for w in workers]
-        self.sent_pairs = [metrics.DISPATCH_PAIRS.labels(w) for w in workers]
-
-    def count(self, plan: DispatchPlan) -> None:
-        for part in plan.slices:
-            self.sent_messages[part.worker].inc()
-            self.sent_rows[part.worker].inc(len(part.rows))
-            self.sent_pairs[part.worker].inc(len(part.pair_rows))
+        # `python -m attention_server` checked every worker's Info before vLLM started; this
+        # process reads it again for the data planes each worker offers.
+        infos = [fetch_info(w, e, cfg.request_timeout_s) for w, e in enumerate(cfg.expert_endpoints)]
+        self.transport = factory.connect(cfg.expert_endpoints, infos, cfg.data_plane, cfg.request_timeout_s)
+        for channel in self.transport.channels:
+            metrics.TRANSPORT_PLANE.labels(str(channel.worker), channel.plane).set(1)
+        self.counts = metrics.DispatchCounts(len(cfg.expert_endpoints))
+        self.last_layer = -1  # the step's last MoE layer publishes its counts
 
 
 @functools.cache
@@ -116,9 +117,10 @@ class RemoteRoutedExperts(RoutedExperts):
             raise UnsupportedMoEError(f"{layer_name}: remote experts do not support {', '.join(reasons)}")
         self.layer_index = extract_layer_index(layer_name)
         self.pool = expert_pool(self.global_num_experts)
-        self.pending: Pending | None = None
-        self.routed_tokens = metrics.ROUTED_TOKENS.labels(str(self.layer_index))
-        _LAYERS[layer_name] = self
+        self.pool.last_layer = max(self.pool.last_layer, self.layer_index)
+        # Where the custom ops find this layer: vLLM's forward context, as for its own layers.
+        self.op_key = f"{layer_name}.remote_experts"
+        get_current_vllm_config().compilation_config.static_forward_context[self.op_key] = self
 
     def _get_quant_method(
         self, prefix: str, quant_config: QuantizationConfig | None, moe_config: FusedMoEConfig
@@ -141,41 +143,42 @@ class RemoteRoutedExperts(RoutedExperts):
         shared_experts_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: [T, H]; topk_weights, topk_ids: [T, k]. Returns the routed output [T, H]."""
-        token = torch.ops.hetero_moe.dispatch(x, topk_weights, topk_ids, self.layer_name)
+        token = torch.ops.hetero_moe.dispatch(x, topk_weights, topk_ids, self.op_key)
         if shared_experts is not None:
             shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
-        return torch.ops.hetero_moe.combine(token, x, self.layer_name)
+        return torch.ops.hetero_moe.combine(token, x, self.op_key)
 
     def send(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        assert self.pending is None, f"{self.layer_name}: dispatch without combine"
         plan = partition(topk_ids, topk_weights, self.pool.owners)
-        self.pending = dispatch(self.pool.clients, self.layer_index, x, plan)
-        self.routed_tokens.inc(plan.num_tokens)
-        self.pool.count(plan)
+        self.pool.transport.send(self.layer_index, dbo_current_ubatch_id(), x, plan)
+        self.pool.counts.add(self.layer_index, plan.num_tokens, plan.slices)
 
     def receive(self, x: torch.Tensor) -> torch.Tensor:
-        pending, self.pending = self.pending, None
-        assert pending is not None, f"{self.layer_name}: combine without dispatch"
-        return combine(pending.plan, pending.wait(), x.shape[1], x.dtype).to(x.device)
+        pending = self.pool.transport.take(self.layer_index, dbo_current_ubatch_id())
+        out = combine(pending.plan, pending.wait(), x.shape[1], x.dtype).to(x.device)
+        if self.layer_index == self.pool.last_layer:
+            self.pool.counts.publish()
+        return out
 
 
-_LAYERS: dict[str, RemoteRoutedExperts] = {}
+def _layer(op_key: str) -> RemoteRoutedExperts:
+    return get_forward_context().no_compile_layers[op_key]
 
 
-def _dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_name: str) -> torch.Tensor:
-    _LAYERS[layer_name].send(x, topk_weights, topk_ids)
+def _dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, op_key: str) -> torch.Tensor:
+    _layer(op_key).send(x, topk_weights, topk_ids)
     return x.new_empty(0)
 
 
-def _dispatch_fake(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_name: str) -> torch.Tensor:
+def _dispatch_fake(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, op_key: str) -> torch.Tensor:
     return x.new_empty(0)
 
 
-def _combine(token: torch.Tensor, x: torch.Tensor, layer_name: str) -> torch.Tensor:
-    return _LAYERS[layer_name].receive(x)
+def _combine(token: torch.Tensor, x: torch.Tensor, op_key: str) -> torch.Tensor:
+    return _layer(op_key).receive(x)
 
 
-def _combine_fake(token: torch.Tensor, x: torch.Tensor, layer_name: str) -> torch.Tensor:
+def _combine_fake(token: torch.Tensor, x: torch.Tensor, op_key: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 

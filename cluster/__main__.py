@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from attention_server.config import DATA_PLANES
 from cluster.launcher import Cluster, ClusterSpec, stop_detached
 
 logger = logging.getLogger("cluster")
@@ -47,6 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="w4a16: workers quantize 16-bit experts on load and run the W4A16 kernels")
     up.add_argument("--group-size", type=int, default=None, help="quantize-on-load group (32, 64, 128)")
     up.add_argument("--kernel-backend", default=None, help="force a worker kernel backend")
+    up.add_argument("--data-plane", choices=DATA_PLANES, default="auto",
+                    help="how rows travel to the workers: auto (shared memory here), shm, tcp or grpc")
     up.add_argument("--ready-timeout", type=float, default=900.0)
     up.add_argument("--detach", action="store_true", help="return once serving; stop with `down`")
     up.add_argument("--run-dir", type=Path, default=default_run_dir(), help="logs and the detached cluster's state")
@@ -80,6 +83,7 @@ def up(a: argparse.Namespace) -> int:
         run_dir=a.run_dir,
         worker_threads=a.worker_threads,
         worker_metrics_base_port=a.worker_metrics_base_port,
+        data_plane=a.data_plane,
         vllm_args=tuple(vllm_args),
         worker_args=worker_args(a),
     )

@@ -35,6 +35,7 @@ class ClusterSpec:
     run_dir: Path
     worker_threads: int
     worker_metrics_base_port: int
+    data_plane: str = "auto"  # how rows travel to the workers (attention_server --data-plane)
     vllm_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()  # e.g. --weight-format w4a16 --kernel-backend cpu
 
@@ -78,6 +79,7 @@ class ClusterSpec:
             sys.executable, "-m", "attention_server",
             "--model", str(self.model),
             "--expert-endpoints", ",".join(self.endpoints),
+            "--data-plane", self.data_plane,
             "--host", self.host,
             "--port", str(self.http_port),
             "--served-model-name", self.served_model_name,

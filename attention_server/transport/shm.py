@@ -1,0 +1,134 @@
+"""Frames through shared memory: the data plane for workers on this host.
+
+Per micro-batch slot this side creates a memfd segment and hands it to the worker over an
+abstract Unix socket (SOCK_SEQPACKET, SCM_RIGHTS); only headers travel over the socket. Rows
+are gathered straight into the segment and partials are read where the worker wrote them.
+Nothing has a name in /dev/shm or on disk, so a kill -9 of either side leaves nothing behind.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+
+import torch
+
+from attention_server.partition import WorkerSlice
+from attention_server.transport.base import Answer, Cause, ExpertWorkerError, OrderedChannel, kernel_deadlines
+from protos import codec, frames
+from protos.frames import HEADER, FrameError, Header, Kind
+
+_MAX_ERROR_BYTES = 1 << 16
+
+
+class ShmChannel(OrderedChannel):
+    plane = "shm"
+
+    def __init__(self, worker: int, endpoint: str, timeout_s: float, address: str):
+        super().__init__(worker, endpoint, timeout_s)
+        self.address = "\0" + address
+        self.sock: socket.socket | None = None
+        self.segments: dict[int, mmap.mmap] = {}  # per micro-batch
+        self.sent: dict[int, tuple[int, int]] = {}  # request -> (micro-batch, reply offset)
+
+    def connect(self) -> socket.socket:
+        if self.sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                sock.connect(self.address)
+            except OSError as err:
+                sock.close()
+                raise self.error(Cause.UNAVAILABLE, f"shm socket: {err}") from None
+            kernel_deadlines(sock, self.timeout_s)
+            self.sock = sock
+        return self.sock
+
+    def _segment(self, micro_batch: int, size: int) -> tuple[mmap.mmap, int | None]:
+        """The slot's segment, replaced by a larger one (whose fd goes to the worker) when too small."""
+        segment = self.segments.get(micro_batch)
+        if segment is not None and len(segment) >= size:
+            return segment, None
+        # The old segment is unmapped when the last partial viewing it is gone.
+        size = max(1 << 20, 1 << (size - 1).bit_length())
+        fd = os.memfd_create(f"hetero-moe-w{self.worker}-mb{micro_batch}", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        self.segments[micro_batch] = segment = mmap.mmap(fd, size)
+        return segment, fd
+
+    def _submit(self, header: Header, micro_batch: int, fill) -> int:
+        sock = self.connect()
+        reply_at = frames.reply_offset(header.payload)
+        segment, fd = self._segment(micro_batch, reply_at + frames.reply_size(header))
+        fill(memoryview(segment))
+        try:
+            socket.send_fds(sock, [header.pack()], [fd] if fd is not None else [])
+        except OSError as err:
+            raise self._lost(f"send: {err}") from None
+        finally:
+            if fd is not None:
+                os.close(fd)
+        self.sent[header.request] = (micro_batch, reply_at)
+        return header.request
+
+    def send(self, layer: int, micro_batch: int, x: torch.Tensor, part: WorkerSlice) -> int:
+        header = frames.forward_header(self.next_request(), layer, micro_batch, len(part.rows), x.shape[1], x.dtype,
+                                       part.num_pairs)  # fmt: skip
+        return self._submit(header, micro_batch, lambda view: frames.write_forward(view, x, part.rows, part.pairs))
+
+    def send_echo(self, payload: memoryview) -> int:
+        """A transport probe: the worker copies `payload` into the reply region."""
+        header = Header(Kind.ECHO, self.next_request(), payload=len(payload))
+        return self._submit(header, 0, lambda view: view.__setitem__(slice(0, len(payload)), payload))
+
+    def read_reply(self) -> tuple[int, Answer | ExpertWorkerError]:
+        header, reason = self._read()
+        return header.request, self._result(header, reason)
+
+    def _read(self) -> tuple[Header, bytes]:
+        if self.sock is None:
+            raise self.error(Cause.UNAVAILABLE, "connection closed")
+        try:
+            message = self.sock.recv(HEADER.size + _MAX_ERROR_BYTES)
+            if not message:
+                raise self._lost("the worker closed the connection")
+            return Header.unpack(message[: HEADER.size]), message[HEADER.size :]
+        except (TimeoutError, BlockingIOError):
+            raise self._lost(f"no answer within {self.timeout_s:g} s", Cause.DEADLINE) from None
+        except (FrameError, codec.CodecError) as err:
+            raise self._lost(f"unreadable reply: {err}", Cause.REFUSED) from None
+        except OSError as err:
+            raise self._lost(str(err)) from None
+
+    def _result(self, header: Header, reason: bytes) -> Answer | ExpertWorkerError:
+        if header.kind == Kind.ERROR:
+            text = reason.decode(errors="replace")
+            if header.request == 0:
+                raise self._lost(text, Cause.REFUSED, frames.status_name(header.status))
+            self.sent.pop(header.request, None)
+            return self.error(Cause.REFUSED, text, frames.status_name(header.status))
+        micro_batch, reply_at = self.sent.pop(header.request)
+        segment = self.segments[micro_batch]
+        try:
+            header.check_payload()
+            if reply_at + header.payload > len(segment):
+                raise FrameError(f"a {header.payload}-byte reply does not fit the {len(segment)}-byte segment")
+        except (FrameError, codec.CodecError) as err:
+            raise self._lost(f"unreadable reply: {err}", Cause.REFUSED) from None
+        if header.kind == Kind.PARTIAL:
+            return Answer(frames.read_partial(header, memoryview(segment)[reply_at : reply_at + header.payload]),
+                          header.compute_ns)
+        if header.kind == Kind.ECHO:
+            return Answer(frames.read_bytes(memoryview(segment)[reply_at : reply_at + header.payload]))
+        raise self._lost(f"unexpected {header.kind.name} frame", Cause.REFUSED)
+
+    def _lost(self, details: str, cause: Cause = Cause.UNAVAILABLE, status: str | None = None):
+        self.close()
+        return self.error(cause, details, status)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        self.segments.clear()  # unmapped as their last views go
+        self.sent.clear()
+        super().close()

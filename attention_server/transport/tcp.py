@@ -1,0 +1,107 @@
+"""Frames over TCP: the data plane across hosts. Blocking sockets on the sending thread."""
+from __future__ import annotations
+
+import socket
+
+import torch
+
+from attention_server.partition import WorkerSlice
+from attention_server.transport.base import Answer, Cause, ExpertWorkerError, OrderedChannel, kernel_deadlines
+from protos import codec, frames
+from protos.frames import HEADER, FrameError, Header, Kind
+
+
+class TcpChannel(OrderedChannel):
+    plane = "tcp"
+
+    def __init__(self, worker: int, endpoint: str, timeout_s: float, port: int):
+        super().__init__(worker, endpoint, timeout_s)
+        self.address = (endpoint.rpartition(":")[0], port)
+        self.sock: socket.socket | None = None
+        self.sent: dict[int, int] = {}  # request -> micro-batch
+        self.buffers: dict[int, bytearray] = {}  # per micro-batch: replies stay valid until its next send
+
+    def connect(self) -> socket.socket:
+        if self.sock is None:
+            try:
+                self.sock = socket.create_connection(self.address, timeout=self.timeout_s)
+            except OSError as err:
+                raise self.error(Cause.UNAVAILABLE, f"tcp {self.address[0]}:{self.address[1]}: {err}") from None
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            kernel_deadlines(self.sock, self.timeout_s)
+        return self.sock
+
+    def send(self, layer: int, micro_batch: int, x: torch.Tensor, part: WorkerSlice) -> int:
+        sock, request = self.connect(), self.next_request()
+        hidden = x[part.rows]  # [T_w, H]
+        header = frames.forward_header(request, layer, micro_batch, *hidden.shape, hidden.dtype, part.num_pairs)
+        try:
+            frames.send_frame(sock, header, frames.forward_parts(hidden, part.pairs))
+        except BlockingIOError:
+            raise self._lost(f"send: the worker took nothing for {self.timeout_s:g} s", Cause.DEADLINE) from None
+        except OSError as err:
+            raise self._lost(f"send: {err}") from None
+        self.sent[request] = micro_batch
+        return request
+
+    def send_echo(self, payload: memoryview) -> int:
+        """A transport probe: the worker sends `payload` back unchanged."""
+        sock, request = self.connect(), self.next_request()
+        try:
+            frames.send_frame(sock, Header(Kind.ECHO, request, payload=len(payload)), [payload])
+        except OSError as err:
+            raise self._lost(f"send: {err}") from None
+        self.sent[request] = 0
+        return request
+
+    def read_reply(self) -> tuple[int, Answer | ExpertWorkerError]:
+        header, payload = self._read()
+        return header.request, self._result(header, payload)
+
+    def _read(self) -> tuple[Header, memoryview]:
+        sock = self.sock
+        if sock is None:
+            raise self.error(Cause.UNAVAILABLE, "connection closed")
+        try:
+            head = bytearray(HEADER.size)
+            if not frames.recv_into_exactly(sock, memoryview(head)):
+                raise self._lost("the worker closed the connection")
+            header = Header.unpack(head)
+            header.check_payload()
+            buffer = self.buffers.setdefault(self.sent.pop(header.request, 0), bytearray())
+            if len(buffer) < header.payload:
+                buffer.extend(bytes(header.payload - len(buffer)))
+            payload = memoryview(buffer)[: header.payload]
+            if header.payload and not frames.recv_into_exactly(sock, payload):
+                raise self._lost("the worker closed the connection mid-frame")
+        except (TimeoutError, BlockingIOError):
+            raise self._lost(f"no answer within {self.timeout_s:g} s", Cause.DEADLINE) from None
+        except (FrameError, codec.CodecError) as err:
+            raise self._lost(f"unreadable reply: {err}", Cause.REFUSED) from None
+        except OSError as err:
+            raise self._lost(str(err)) from None
+        return header, payload
+
+    def _result(self, header: Header, payload: memoryview) -> Answer | ExpertWorkerError:
+        if header.kind == Kind.PARTIAL:
+            return Answer(frames.read_partial(header, payload), header.compute_ns)
+        if header.kind == Kind.ECHO:
+            return Answer(frames.read_bytes(payload))
+        if header.kind == Kind.ERROR:
+            reason = bytes(payload).decode(errors="replace")
+            if header.request == 0:  # the worker could not read our framing and closed the stream
+                raise self._lost(reason, Cause.REFUSED, frames.status_name(header.status))
+            return self.error(Cause.REFUSED, reason, frames.status_name(header.status))
+        raise self._lost(f"unexpected {header.kind.name} frame", Cause.REFUSED)
+
+    def _lost(self, details: str, cause: Cause = Cause.UNAVAILABLE, status: str | None = None):
+        """The connection can no longer be trusted: drop it (the next send reconnects)."""
+        self.close()
+        return self.error(cause, details, status)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        self.sent.clear()
+        super().close()
