@@ -95,8 +95,11 @@ def _moe_sum(
     act = ACTIVATIONS[activation]
     x = hidden.float()
     out = torch.zeros(hidden.shape[0], hidden_size, dtype=torch.float32, device=hidden.device)
-    for e in torch.unique(pair_experts).tolist():
-        sel = pair_experts == e
+    by_expert: dict[int, list[int]] = {}
+    for p, e in enumerate(pair_experts.tolist()):  # one host sync; decode batches hold a few pairs
+        by_expert.setdefault(e, []).append(p)
+    for e, pairs in sorted(by_expert.items()):
+        sel = torch.tensor(pairs, device=hidden.device)
         rows = pair_rows[sel]
         w13, w2 = expert_weights(e)  # [2I, H], [H, I] float32
         gate_up = x[rows] @ w13.t()  # [R, 2I]
