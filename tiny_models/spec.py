@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
-PRESETS = ("tiny", "large")
+PRESETS = ("tiny", "large", "a3b")
 NUM_WORKERS = 8  # pool B size: experts are split evenly across workers
 FORMAT_VERSION = 1  # bump when the code changes the bytes written for an unchanged spec
 
@@ -116,12 +116,21 @@ def _large(arch: str) -> ModelSpec:
     return ModelSpec(**common, num_experts=32, top_k=2, expert_intermediate=1536)
 
 
+def _a3b(arch: str) -> ModelSpec:
+    """Qwen3-30B-A3B's layer shapes (hidden 2048, 128 experts of width 768, top-8, GQA 32/4),
+    4 layers instead of 48: the experts the GPU transport bench drives, 4.8 GB in bf16."""
+    if arch != "qwen3_moe":
+        raise ValueError("the a3b preset has Qwen3-MoE's shapes: arch must be qwen3_moe")
+    return ModelSpec(arch=arch, preset="a3b", hidden_size=2048, num_layers=4, num_heads=32, num_kv_heads=4,
+                     head_dim=128, num_experts=128, top_k=8, expert_intermediate=768)  # fmt: skip
+
+
 def spec_for(arch: str, preset: str = "tiny") -> ModelSpec:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {PRESETS}")
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
-    return _tiny(arch) if preset == "tiny" else _large(arch)
+    return {"tiny": _tiny, "large": _large, "a3b": _a3b}[preset](arch)
 
 
 def hf_config(spec: ModelSpec, special_ids: dict[str, int]) -> dict:
