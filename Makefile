@@ -7,7 +7,7 @@ PROTOS_VENV := .venv-protos
 # protobuf runtime we run on (see DESIGN.md §5); newer runtimes accept it.
 GRPCIO_TOOLS := grpcio-tools==1.66.2
 
-.PHONY: venv up down test protos model hipcc bench-kernel bench-memory clean
+.PHONY: venv up down test protos model hipcc bench-kernel bench-memory bench-transport clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 venv: $(VENV)/.installed
+
+$(VENV)/.bench: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[bench]'
+	touch $@
 
 $(PROTOS_VENV)/.installed:
 	$(PYTHON) -m venv $(PROTOS_VENV)
@@ -47,6 +51,9 @@ test: venv $(PROTOS_VENV)/.installed hipcc
 
 bench-kernel: venv
 	$(PY) -m benchmarks.bench_kernel --out results/bench_kernel.json $(ARGS)
+
+bench-transport: venv $(VENV)/.bench
+	$(PY) -m benchmarks.bench_transport --out results/bench_transport.json $(ARGS)
 
 bench-memory: venv
 	$(PY) -m benchmarks.bench_memory --out results/memory.json $(ARGS)

@@ -1,0 +1,445 @@
+"""make bench-transport: what moving a micro-batch to the workers and back costs, per data plane.
+
+    python -m benchmarks.bench_transport [--out FILE] [--skip-e2e]
+
+One run, loopback only, every process started and stopped by the bench:
+
+1. Round trips of payloads the size of decode and prefill micro-batches (16 KiB ... 8 MiB of bf16
+   rows, 2048 wide), to 1 worker and fanned out to 8 at once, over: the raw-TCP floor (a bare
+   length-prefixed echo, benchmarks/tcp_echo.py), each data plane (shm, tcp, grpc: ECHO frames
+   through the real worker processes) and the first slice's path (unary gRPC, a protobuf `bytes`
+   field, the synchronous stub's futures) as the baseline. p50/p99, GB/s (both directions), CPU
+   per round trip of the client and of the servers, ratio to the floor.
+2. End to end on the embedded tiny model (4 MoE layers): decode inter-token latency of one
+   stream and output tokens/s of 16 concurrent streams, stock vLLM against the cluster on each
+   plane, same flags (compiled), and the cluster's cost per MoE layer.
+
+Prints a table, writes JSON and a PNG next to it. Absolute times are this machine's; compare
+ratios from the same run.
+
+    python -m benchmarks.bench_transport --gpu [--out FILE]      (a CUDA machine, no vLLM needed)
+
+GPU mode: eight workers on `cuda` run the Triton W4A16 kernel on Qwen3-30B-A3B's expert shapes
+(tiny_models preset `a3b`: 4 of its 48 layers, quantized on load), driven over the default plane
+by a client that sends decode micro-batches the way the attention node does (64 tokens, top-8
+of 128 experts, random routing); it reports each layer's round trip beside the slowest worker's
+time in its experts (kernel and copy back, from the reply frames).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+import torch
+
+import tiny_models
+from attention_server.combine import combine
+from attention_server.handshake import fetch_info
+from attention_server.partition import partition
+from attention_server.transport import factory
+from attention_server.transport.factory import open_channel
+from benchmarks.tcp_echo import LENGTH
+from cluster.launcher import ClusterSpec, stop_pids, wait_http_ready
+from protos import GRPC_OPTIONS, codec
+from protos import expert_pb2_grpc as pb_grpc
+from protos.checkpoint import read_checkpoint
+from protos.placement import Placement
+from protos.frames import recv_into_exactly, send_parts
+
+logger = logging.getLogger("bench_transport")
+
+HOST = "127.0.0.1"
+WIDTH = 2048  # a Qwen3-30B-A3B hidden row
+SIZES = (16 << 10, 256 << 10, 1792 << 10, 8 << 20)  # 4, 64, 448 and 2048 bf16 rows
+FANOUTS = (1, 8)
+PATHS = ("tcp floor", "shm", "tcp", "grpc", "unary protobuf (first slice)")
+NUM_WORKERS = 8
+VLLM_ARGS = ("--dtype", "bfloat16", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 30))
+E2E_PLANES = ("shm", "tcp", "grpc")
+DECODE_TOKENS = 64
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind((HOST, 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        proc = psutil.Process(pid)
+        for p in [proc, *proc.children(recursive=True)]:
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+# ---- round-trip clients, one per path: start(payload) sends to every peer, finish() collects ----
+
+
+class Floor:
+    def __init__(self, ports: list[int]):
+        self.socks = [socket.create_connection((HOST, p)) for p in ports]
+        for s in self.socks:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.head, self.buffer = bytearray(LENGTH.size), bytearray(SIZES[-1])
+
+    def round_trip(self, payload: memoryview, fanout: int) -> None:
+        for s in self.socks[:fanout]:
+            send_parts(s, [LENGTH.pack(len(payload)), payload])
+        for s in self.socks[:fanout]:
+            recv_into_exactly(s, memoryview(self.head))
+            (n,) = LENGTH.unpack(self.head)
+            recv_into_exactly(s, memoryview(self.buffer)[:n])
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+
+
+class Plane:
+    def __init__(self, plane: str, endpoints: list[str], infos):
+        self.channels = [open_channel(w, e, info, plane, 60) for w, (e, info) in enumerate(zip(endpoints, infos))]
+        assert {c.plane for c in self.channels} == {plane}
+
+    def round_trip(self, payload: memoryview, fanout: int) -> None:
+        requests = [(c, c.send_echo(payload)) for c in self.channels[:fanout]]
+        for channel, request in requests:
+            channel.receive(request)
+
+    def close(self) -> None:
+        for c in self.channels:
+            c.close()
+
+
+class UnaryProtobuf:
+    """The first slice's dispatch: a protobuf `bytes` field, unary calls, the sync stub's futures."""
+
+    def __init__(self, endpoints: list[str]):
+        self.channels = [grpc.insecure_channel(e, options=GRPC_OPTIONS) for e in endpoints]
+        self.stubs = [pb_grpc.ExpertServiceStub(c) for c in self.channels]
+
+    def round_trip(self, tensor: torch.Tensor, fanout: int) -> None:
+        calls = [stub.Echo.future(codec.encode(tensor), timeout=60) for stub in self.stubs[:fanout]]
+        for call in calls:
+            codec.decode(call.result())
+
+    def close(self) -> None:
+        for c in self.channels:
+            c.close()
+
+
+ROUNDS = 6  # each path's round trips come in rounds that alternate with the other paths
+
+
+def measure_interleaved(clients: dict, data: dict, fanout: int, servers: dict, budget_s: float = 0.12,
+                        max_iters: int = 80) -> dict[str, dict]:  # fmt: skip
+    """Round trips of every path for one (payload, fan-out), in alternating rounds so that the
+    machine's drift over time falls on all of them alike."""
+    times = {path: [] for path in clients}
+    cpu = {path: [0.0, 0.0] for path in clients}
+    for path, client in clients.items():
+        for _ in range(3):
+            client.round_trip(data[path], fanout)
+    for _ in range(ROUNDS):
+        for path, client in clients.items():
+            server0 = cpu_seconds(servers[path])
+            cpu0, start, n = time.process_time(), time.perf_counter(), 0
+            while n < max_iters and (n < 5 or time.perf_counter() - start < budget_s):
+                t = time.perf_counter()
+                client.round_trip(data[path], fanout)
+                times[path].append(time.perf_counter() - t)
+                n += 1
+            cpu[path][0] += time.process_time() - cpu0
+            cpu[path][1] += cpu_seconds(servers[path]) - server0
+    rows = {}
+    for path, ts in times.items():
+        ts.sort()
+        size = len(data[path]) if isinstance(data[path], memoryview) else data[path].numel() * data[path].element_size()
+        rows[path] = {
+            "iterations": len(ts),
+            "p50_ms": statistics.median(ts) * 1e3,
+            "p99_ms": ts[min(len(ts) - 1, int(len(ts) * 0.99))] * 1e3,
+            "gb_per_s": 2 * size * fanout / statistics.median(ts) / 1e9,
+            "client_cpu_ms_per_round_trip": cpu[path][0] / len(ts) * 1e3,
+            "server_cpu_ms_per_round_trip": cpu[path][1] / len(ts) * 1e3,
+        }
+    return rows
+
+
+def round_trips(endpoints: list[str], worker_pids: list[int], echo_ports: list[int], echo_pids: list[int]) -> list[dict]:
+    infos = [fetch_info(w, e, 120) for w, e in enumerate(endpoints)]
+    rows = []
+    for size in SIZES:
+        tensor = torch.randn(size // (2 * WIDTH), WIDTH).to(torch.bfloat16)
+        payload = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        clients = {"tcp floor": Floor(echo_ports), **{p: Plane(p, endpoints, infos) for p in PATHS[1:4]},
+                   PATHS[4]: UnaryProtobuf(endpoints)}  # fmt: skip
+        data = {p: tensor if p == PATHS[4] else payload for p in PATHS}
+        servers = {p: echo_pids if p == "tcp floor" else worker_pids for p in PATHS}
+        try:
+            for fanout in FANOUTS:
+                for path, row in measure_interleaved(clients, data, fanout, servers).items():
+                    rows.append({"path": path, "bytes": size, "fanout": fanout, **row})
+                    logger.info("%-30s %8d B x%d  p50 %.3f ms", path, size, fanout, row["p50_ms"])
+        finally:
+            for client in clients.values():
+                client.close()
+    floor = {(r["bytes"], r["fanout"]): r["p50_ms"] for r in rows if r["path"] == "tcp floor"}
+    for r in rows:
+        r["x_floor"] = r["p50_ms"] / floor[(r["bytes"], r["fanout"])]
+    order = {p: i for i, p in enumerate(PATHS)}
+    return sorted(rows, key=lambda r: (r["bytes"], order[r["path"]], r["fanout"]))
+
+
+# ---- end to end ------------------------------------------------------------------------------
+
+
+def stream_times(client: OpenAI, model: str, prompt: str, max_tokens: int) -> list[float]:
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    times = [time.perf_counter() for chunk in stream if chunk.choices and chunk.choices[0].text is not None]
+    assert times, "no tokens streamed"
+    return times
+
+
+def concurrent_streams(client: OpenAI, model: str, max_tokens: int, streams: int = 16) -> None:
+    threads = [threading.Thread(target=stream_times, args=(client, model, f"Stream {i} tells a story about", max_tokens))
+               for i in range(streams)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def serve_and_measure(cmd: list[str], url: str, log: Path, env: dict | None = None) -> dict:
+    from openai import OpenAI  # the end-to-end part only (the GPU mode runs where no vLLM client is)
+
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    try:
+        started = time.perf_counter()
+        wait_http_ready(url, [proc], timeout_s=900)
+        startup = time.perf_counter() - started
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+        model = client.models.list().data[0].id
+        for _ in range(2):
+            stream_times(client, model, "Warm up the caches", 16)
+        itls = []
+        for i in range(5):  # one stream at a time: decode inter-token latency, first to last token
+            t = stream_times(client, model, f"Request {i}: the weather today is", DECODE_TOKENS)
+            itls.append((t[-1] - t[0]) / (DECODE_TOKENS - 1))  # chunk times bunch up; their span does not
+        concurrent_streams(client, model, 8)  # warm: the first batch of 16 may compile its shapes
+        start = time.perf_counter()
+        concurrent_streams(client, model, DECODE_TOKENS)
+        wall = time.perf_counter() - start
+        return {"startup_s": startup, "itl_ms": statistics.median(itls) * 1e3, "itl_ms_each_request": [t * 1e3 for t in itls],
+                "streams_16_tokens_per_s": 16 * DECODE_TOKENS / wall}  # fmt: skip
+    finally:
+        stop_pids({"server": proc.pid}, reap=proc.poll)
+        proc.wait()
+
+
+def end_to_end(model: Path, spec: ClusterSpec, logs: Path, num_moe_layers: int, planes: list[str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")}
+    (http,) = free_ports(1)
+    url = f"http://{HOST}:{http}"
+    serve = ["--model", str(model), "--host", HOST, "--port", str(http), *VLLM_ARGS]
+    result = {"stock": serve_and_measure([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *serve], url,
+                                         logs / "stock.log", env)}  # fmt: skip
+    logger.info("stock vLLM: %s", result["stock"])
+    for plane in planes:
+        cmd = [sys.executable, "-m", "attention_server", "--expert-endpoints", ",".join(spec.endpoints),
+               "--data-plane", plane, *serve]  # fmt: skip
+        r = serve_and_measure(cmd, url, logs / f"attention-{plane}.log", env)
+        r["moe_layer_overhead_ms"] = (r["itl_ms"] - result["stock"]["itl_ms"]) / num_moe_layers
+        r["throughput_vs_stock"] = r["streams_16_tokens_per_s"] / result["stock"]["streams_16_tokens_per_s"]
+        result[plane] = r
+        logger.info("cluster on %s: %s", plane, r)
+    return result
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def table(rows: list[dict], e2e: dict | None) -> str:
+    lines = [f"{'path':30} {'payload':>9} {'fan':>4} {'p50 ms':>8} {'p99 ms':>8} {'x floor':>8} {'GB/s':>6} "
+             f"{'cpu ms client':>13} {'servers':>8}"]  # fmt: skip
+    for r in rows:
+        lines.append(f"{r['path']:30} {_size(r['bytes']):>9} {r['fanout']:>4} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} "
+                     f"{r['x_floor']:8.2f} {r['gb_per_s']:6.2f} {r['client_cpu_ms_per_round_trip']:13.3f} "
+                     f"{r['server_cpu_ms_per_round_trip']:8.3f}")  # fmt: skip
+    if e2e:
+        lines += ["", f"{'end to end (tiny Qwen3-MoE, 4 MoE layers)':44} {'ITL ms':>10} {'per MoE layer':>13} "
+                      f"{'16 streams tok/s':>16} {'x stock':>7}"]  # fmt: skip
+        for name, r in e2e.items():
+            lines.append(f"{name:44} {r['itl_ms']:10.2f} {r.get('moe_layer_overhead_ms', 0):13.2f} "
+                         f"{r['streams_16_tokens_per_s']:16.0f} {r.get('throughput_vs_stock', 1):7.2f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:g} MiB" if n >= 2**20 else f"{n >> 10} KiB"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(FANOUTS), figsize=(12, 4.5), sharey=True)
+    for ax, fanout in zip(axes, FANOUTS):
+        for p in PATHS:
+            pts = [(r["bytes"], r["p50_ms"]) for r in rows if r["path"] == p and r["fanout"] == fanout]
+            ax.plot([b / 2**10 for b, _ in pts], [t for _, t in pts], marker="o", label=p)
+        ax.set(xscale="log", yscale="log", xlabel="payload per worker (KiB, each way)",
+               title=f"round trip p50, {fanout} worker{'s' if fanout > 1 else ''} at once")  # fmt: skip
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("ms")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+GPU_TOKENS, GPU_STEPS = 64, 200
+
+
+def gpu_layers(logs: Path) -> dict:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hetero-moe" / "models"
+    model = tiny_models.make("qwen3_moe", cache / "qwen3_moe-a3b", preset="a3b")
+    ckpt = read_checkpoint(model)
+    ports = free_ports(2 + NUM_WORKERS)
+    spec = ClusterSpec(model=model, num_workers=NUM_WORKERS, worker_base_port=ports[0], http_port=ports[1], host=HOST,
+                       run_dir=logs, worker_threads=1, worker_metrics_base_port=ports[2],
+                       worker_args=("--device", "cuda", "--weight-format", "w4a16", "--kernel-backend", "triton"))  # fmt: skip
+    procs = {}
+    try:
+        for i in range(NUM_WORKERS):
+            with (logs / f"gpu-worker-{i}.log").open("wb") as f:
+                procs[i] = subprocess.Popen(spec.worker_command(i), stdout=f, stderr=subprocess.STDOUT,
+                                            start_new_session=True)  # fmt: skip
+        infos = [fetch_info(w, e, 900) for w, e in enumerate(spec.endpoints)]
+        transport = factory.connect(tuple(spec.endpoints), infos, "auto", 120)
+        owners = Placement(ckpt.num_experts, NUM_WORKERS).owner_table()
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(GPU_TOKENS, ckpt.hidden_size, generator=g).to(torch.bfloat16)
+        round_trips, compute = [], []
+        for step in range(GPU_STEPS + 10):
+            for layer in ckpt.moe_layers:
+                weights, ids = torch.softmax(torch.randn(GPU_TOKENS, ckpt.num_experts, generator=g), -1).topk(ckpt.top_k, -1)
+                plan = partition(ids.to(torch.int32), weights, owners)
+                start = time.perf_counter()
+                transport.send(layer, 0, x, plan)
+                pending = transport.take(layer, 0)
+                combine(plan, pending.wait(), ckpt.hidden_size, torch.bfloat16)
+                if step >= 10:  # the first steps compile and warm the kernels
+                    round_trips.append(time.perf_counter() - start)
+                    compute.append(max(pending.compute_ns) / 1e9)
+        transport.close()
+    finally:
+        stop_pids({f"gpu-worker-{i}": p.pid for i, p in procs.items()}, reap=lambda: [p.poll() for p in procs.values()])
+    rt, kc = sorted(round_trips), sorted(compute)
+    result = {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device seen by the client",
+        "model": "qwen3_moe a3b preset: hidden 2048, 128 experts of width 768, top-8, 4 MoE layers, W4A16 group 128",
+        "workers": f"{NUM_WORKERS} processes, all on cuda:0 of this machine, kernel backend {infos[0].kernel_backend}",
+        "plane": transport.channels[0].plane,
+        "tokens_per_micro_batch": GPU_TOKENS,
+        "layers_measured": len(rt),
+        "round_trip_p50_ms": statistics.median(rt) * 1e3,
+        "round_trip_p99_ms": rt[int(len(rt) * 0.99)] * 1e3,
+        "slowest_worker_compute_p50_ms": statistics.median(kc) * 1e3,
+        "round_trip_over_compute": statistics.median(rt) / statistics.median(kc),
+    }
+    print("\n".join(f"{k:32} {v:.3f}" if isinstance(v, float) else f"{k:32} {v}" for k, v in result.items()))
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_transport", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--out", type=Path, default=Path("results/bench_transport.json"))
+    p.add_argument("--skip-e2e", action="store_true", help="only the round trips (no vLLM)")
+    p.add_argument("--e2e-planes", default=",".join(E2E_PLANES), help="planes the end-to-end part runs the cluster on")
+    p.add_argument("--skip-round-trips", action="store_true", help="only the end-to-end part")
+    p.add_argument("--gpu", action="store_true", help="the W4A16 workers on cuda, Qwen3-30B-A3B shapes (see above)")
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    logs = a.out.parent / "bench-transport-logs"
+    logs.mkdir(exist_ok=True)
+    if a.gpu:
+        result = {"date": time.strftime("%Y-%m-%d"), "gpu_layers": gpu_layers(logs)}
+        a.out.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {a.out}")
+        return
+    model = tiny_models.make("qwen3_moe", tiny_models.default_model_dir())
+    ports = free_ports(2 + 2 * NUM_WORKERS)
+    spec = ClusterSpec(model=model, num_workers=NUM_WORKERS, worker_base_port=ports[0], http_port=ports[1], host=HOST,
+                       run_dir=logs, worker_threads=1, worker_metrics_base_port=ports[2])  # fmt: skip
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for i in range(NUM_WORKERS):
+            with (logs / f"worker-{i}.log").open("wb") as f:
+                procs[f"worker-{i}"] = subprocess.Popen(spec.worker_command(i), stdout=f, stderr=subprocess.STDOUT,
+                                                        start_new_session=True)  # fmt: skip
+        echo_ports = ports[2 + NUM_WORKERS :]
+        for i, port in enumerate(echo_ports):
+            procs[f"echo-{i}"] = subprocess.Popen([sys.executable, "-m", "benchmarks.tcp_echo", "--port", str(port)],
+                                                  start_new_session=True)  # fmt: skip
+        for port in echo_ports:
+            _wait_port(port)
+        workers = [procs[f"worker-{i}"].pid for i in range(NUM_WORKERS)]
+        echoes = [procs[f"echo-{i}"].pid for i in range(NUM_WORKERS)]
+        rows = [] if a.skip_round_trips else round_trips(spec.endpoints, workers, echo_ports, echoes)
+        planes = [x for x in a.e2e_planes.split(",") if x]
+        e2e = None if a.skip_e2e else end_to_end(model, spec, logs, len(read_checkpoint(model).moe_layers), planes)
+    finally:
+        stop_pids({n: p.pid for n, p in procs.items()}, reap=lambda: [p.poll() for p in procs.values()])
+    report = table(rows, e2e)
+    print(report)
+    result = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, loopback",
+        "date": time.strftime("%Y-%m-%d"),
+        "row_width": WIDTH,
+        "round_trips": rows,
+        "end_to_end": e2e,
+        "vllm_args": list(VLLM_ARGS),
+    }
+    a.out.write_text(json.dumps(result, indent=2))
+    if rows:
+        plot(rows, a.out.with_suffix(".png"))
+    print(f"\nwrote {a.out}" + (f" and {a.out.with_suffix('.png')}" if rows else ""))
+
+
+def _wait_port(port: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((HOST, port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"echo server on {port} did not start")
+
+
+if __name__ == "__main__":
+    main()
