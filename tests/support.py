@@ -180,13 +180,13 @@ class ClusterCounters:
 
 
 def assert_workers_did_the_work(before: ClusterCounters, after: ClusterCounters, top_k: int,
-                                moe_layers: tuple[int, ...], kernel_backend: str) -> str:
+                                moe_layers: tuple[int, ...], kernel_backend: str, plane: str = "shm") -> str:
     """The traffic between two readings went through the workers, in the amounts vLLM itself counted.
 
     Every MoE layer routed exactly the tokens vLLM's engine computed (its prompt tokens not served
     from the prefix cache, plus each generated token but the last); each token made `top_k` pairs;
-    each worker computed exactly the messages, rows and pairs the plugin sent it, and runs
-    `kernel_backend`. Returns a one-line summary.
+    each worker computed exactly the messages, rows and pairs the plugin sent it over `plane`,
+    and runs `kernel_backend`. Returns a one-line summary.
     """
     a0, a1 = before.attention, after.attention
 
@@ -209,10 +209,13 @@ def assert_workers_did_the_work(before: ClusterCounters, after: ClusterCounters,
             "pairs": moved("hetero_moe_worker_pairs_total", w0, w1),
         }
         assert sent == done and done["messages"] > 0, f"worker {w} computed {done}; the plugin sent {sent}"
+        planes = {dict(ls)["plane"] for (n, ls), v in a1.items()
+                  if n == "hetero_moe_transport_plane" and dict(ls)["worker"] == str(w) and v == 1}  # fmt: skip
+        assert planes == {plane}, f"worker {w} is reached over {planes}, expected {plane!r}"
         info = {dict(ls)["kernel_backend"] for (n, ls) in w1 if n == "hetero_moe_worker_shard_info"}
         assert info == {kernel_backend}, f"worker {w} runs {info}, expected {kernel_backend!r}"
         pairs += done["pairs"]
     assert pairs == top_k * computed * len(moe_layers), f"{pairs} pairs for {computed} tokens x {len(moe_layers)} layers"
     return (f"{computed:.0f} tokens x {len(moe_layers)} MoE layers routed, {pairs:.0f} pairs computed by "
-            f"{len(after.workers)} workers on {kernel_backend!r}, as the plugin sent them")
+            f"{len(after.workers)} workers on {kernel_backend!r}, as the plugin sent them over {plane}")
 

@@ -78,6 +78,11 @@ class Case:
     dtype: str = "bfloat16"
     vllm_args: tuple[str, ...] = ()  # compiled mode is vLLM's default and `make up`'s
     w4a16: str | None = None  # the cluster serves this W4A16 format; stock serves it dequantized
+    data_plane: str | None = None  # None: make up's default (auto), which picks shared memory on one host
+
+    @property
+    def expected_plane(self) -> str:
+        return self.data_plane or "shm"
 
     @property
     def kernel_backend(self) -> str:
@@ -88,6 +93,8 @@ CASES = {
     "qwen3_moe": Case("qwen3_moe"),
     "qwen3_moe-fp32": Case("qwen3_moe", dtype="float32"),
     "qwen2_moe-fp32": Case("qwen2_moe", dtype="float32"),  # shared expert on pool A
+    "qwen3_moe-fp32-tcp": Case("qwen3_moe", dtype="float32", data_plane="tcp"),
+    "qwen3_moe-fp32-grpc": Case("qwen3_moe", dtype="float32", data_plane="grpc"),
     "mixtral-fp32": Case("mixtral", dtype="float32", vllm_args=("--enforce-eager",)),
     "qwen3_moe-compressed-tensors": Case("qwen3_moe", w4a16="compressed-tensors"),
     "qwen3_moe-gptq": Case("qwen3_moe", w4a16="gptq", vllm_args=("--enforce-eager",)),
@@ -111,7 +118,7 @@ class Cluster:
     def assert_workers_did_the_work(self, before: ClusterCounters) -> str:
         ckpt = read_checkpoint(self.model)
         return assert_workers_did_the_work(before, self.counters(), ckpt.top_k, ckpt.moe_layers,
-                                           self.case.kernel_backend)  # fmt: skip
+                                           self.case.kernel_backend, self.case.expected_plane)  # fmt: skip
 
 
 def _pgid(pid: int) -> int | None:
@@ -123,6 +130,26 @@ def _pgid(pid: int) -> int | None:
 
 def group_pids(pgid: int) -> set[int]:
     return {p.pid for p in psutil.process_iter() if _pgid(p.pid) == pgid}
+
+
+_STOCK: dict[tuple[Path, tuple[str, ...]], list[Generation]] = {}
+
+
+def stock_generations(model: Path, vllm_args: list[str], log_path: Path, port: int) -> list[Generation]:
+    """Greedy generations of vLLM's own server (plugin off) on `model`; the server is stopped after."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")}
+    with open(log_path, "wb") as log:
+        stock = subprocess.Popen(
+            python_module("vllm.entrypoints.openai.api_server", "--model", str(model), "--host", HOST,
+                          "--port", str(port), *vllm_args),
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+        )  # fmt: skip
+    try:
+        wait_http_ready(f"http://{HOST}:{port}", [stock], timeout_s=900)
+        return generate(f"http://{HOST}:{port}")
+    finally:
+        os.killpg(stock.pid, signal.SIGTERM)
+        stock.wait(timeout=60)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -140,32 +167,23 @@ def cluster(request, model_dir, tmp_path_factory) -> Cluster:
     # Flags after `--` follow `make up`'s CPU defaults and win: max-model-len 1024, not 2048.
     vllm_args = [*VLLM_CPU_ARGS, "--dtype", case.dtype, *case.vllm_args]
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")}
-    with open(logs / "stock.log", "wb") as log:
-        stock = subprocess.Popen(
-            python_module("vllm.entrypoints.openai.api_server", "--model", str(model), "--host", HOST,
-                          "--port", str(http_stock), *vllm_args),
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-        )  # fmt: skip
-    try:
-        wait_http_ready(f"http://{HOST}:{http_stock}", [stock], timeout_s=900)
-        stock_generations = generate(f"http://{HOST}:{http_stock}")
-    finally:
-        os.killpg(stock.pid, signal.SIGTERM)
-        stock.wait(timeout=60)
+    key = (model, tuple(vllm_args))  # the plane variants share their stock run
+    if key not in _STOCK:
+        _STOCK[key] = stock_generations(model, vllm_args, logs / "stock.log", http_stock)
 
     with open(logs / "cluster.log", "wb") as log:
         launcher = subprocess.Popen(
             python_module("cluster", "up", "--model", str(cluster_model), "--host", HOST, "--port", str(http_cluster),
                           "--worker-base-port", str(worker_base), "--worker-metrics-base-port", str(metrics_base),
-                          "--run-dir", str(logs / "run"), "--", *vllm_args),
+                          *(("--data-plane", case.data_plane) if case.data_plane else ()), "--run-dir", str(logs / "run"),
+                          "--", *vllm_args),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     base_url = f"http://{HOST}:{http_cluster}"
     metrics_urls = [f"{base_url}/metrics"] + [f"http://{HOST}:{metrics_base + i}/metrics" for i in range(NUM_WORKERS)]
     try:
         wait_http_ready(base_url, [launcher], timeout_s=900)
-        yield Cluster(name, case, model, stock_generations, base_url, launcher, metrics_urls, logs / "run")
+        yield Cluster(name, case, model, _STOCK[key], base_url, launcher, metrics_urls, logs / "run")
     finally:
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGINT)

@@ -238,7 +238,8 @@ def test_pool_b_gives_each_worker_its_own_gpu_and_publishes_its_ports(projects):
         assert {d["source"] for d in service["devices"]} == {"/dev/kfd", "/dev/dri"}
         assert "video" in service["group_add"]
         published = {(int(p["target"]), int(p["published"])) for p in service["ports"]}
-        assert published == {(w.port, w.port), (w.metrics_port, w.metrics_port)}
+        data_port = int(_flag(w.argv, "--data-port"))
+        assert published == {(w.port, w.port), (w.metrics_port, w.metrics_port), (data_port, data_port)}
     assert gpus == [str(i) for i in range(NUM_WORKERS)]
 
 

@@ -135,10 +135,10 @@ def test_garbage_activations_like_vllm_profiling_are_accepted(served):
 def test_health_and_reflection(served):
     _, _, workers, _ = served
     with grpc.insecure_channel(workers.endpoints[0]) as channel:
-        for service in ("", "hetero_moe.expert.v1.ExpertService"):
+        for service in ("", "hetero_moe.expert.v2.ExpertService"):
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert status.status == health_pb2.HealthCheckResponse.SERVING
         reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
         (answer,) = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
         names = {s.name for s in answer.list_services_response.service}
-        assert {"hetero_moe.expert.v1.ExpertService", "grpc.health.v1.Health"} <= names
+        assert {"hetero_moe.expert.v2.ExpertService", "grpc.health.v1.Health"} <= names

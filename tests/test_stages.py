@@ -5,15 +5,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import numpy as np
 import torch
 
 from attention_server.combine import combine
-from attention_server.dispatch import ExpertClient, dispatch
+from attention_server.transport.base import ExpertTransport
+from attention_server.transport.grpc_stream import GrpcStreamChannel
 from attention_server.partition import DispatchPlan, partition
 from kernels.reference import DenseExpertWeights, moe_experts_reference
-from protos import codec
-from protos import expert_pb2 as pb
-from protos import expert_pb2_grpc as pb_grpc
+from protos import frames
 from protos.placement import Placement
 from tests.support import HOST
 
@@ -87,42 +87,47 @@ def test_split_over_workers_equals_one_process_moe():
     torch.testing.assert_close(distributed, whole, rtol=1e-5, atol=1e-5)
 
 
-class ScriptedWorker(pb_grpc.ExpertServiceServicer):
-    """A real gRPC server that answers every row with `value`, after `delay_s`."""
+class ScriptedWorker:
+    """A real gRPC server of the frame stream that answers every row with `value`, after `delay_s`."""
 
     def __init__(self, worker: int, value: float, delay_s: float, answered: list[int]):
         self.worker, self.value, self.delay_s, self.answered = worker, value, delay_s, answered
 
-    def Forward(self, request, context):
-        time.sleep(self.delay_s)
-        rows = codec.decode(request.hidden).shape[0]
-        self.answered.append(self.worker)
-        return pb.ForwardResponse(partial=codec.encode(torch.full((rows, H), self.value)))
+    def forward_frames(self, requests, context):
+        for message in requests:
+            header = frames.Header.unpack(memoryview(message)[: frames.HEADER.size])
+            time.sleep(self.delay_s)
+            self.answered.append(self.worker)
+            partial = torch.full((header.rows, H), self.value)
+            yield frames.partial_header(header.request, partial, 0).pack() + bytes(frames.tensor_bytes(partial))
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        method = grpc.stream_stream_rpc_method_handler(self.forward_frames)
+        return grpc.method_handlers_generic_handler(frames.GRPC_SERVICE, {"Forward": method})
 
 
 def test_answers_arriving_in_reverse_order_are_combined_in_worker_order():
-    """Through real gRPC: worker 2 answers first, worker 0 last. Its float32 partials are chosen
-    so that the order of the float64 sum changes the bits: in worker order 1 + 1e30 - 1e30 == 0,
-    in arrival order -1e30 + 1e30 + 1 == 1."""
+    """Through the transport seam and real gRPC streams: worker 2 answers first, worker 0 last. The
+    float32 partials are chosen so that the order of the float64 sum changes the bits: in worker
+    order 1 + 1e30 - 1e30 == 0, in arrival order -1e30 + 1e30 + 1 == 1."""
     values, delays, answered = [1.0, 1e30, -1e30], [0.6, 0.3, 0.0], []
-    servers, clients = [], []
+    servers, channels = [], []
     for w in range(3):
         server = grpc.server(ThreadPoolExecutor(max_workers=1))
-        pb_grpc.add_ExpertServiceServicer_to_server(ScriptedWorker(w, values[w], delays[w], answered), server)
+        server.add_generic_rpc_handlers((ScriptedWorker(w, values[w], delays[w], answered).handler(),))
         port = server.add_insecure_port(f"{HOST}:0")
         server.start()
         servers.append(server)
-        clients.append(ExpertClient(w, f"{HOST}:{port}", timeout_s=30))
+        channels.append(GrpcStreamChannel(w, f"{HOST}:{port}", timeout_s=30))
+    transport = ExpertTransport(channels)
     try:
         ids = torch.tensor([[0, 1, 2]], dtype=torch.int32)  # one token, one expert on each of workers 0, 1, 2
-        owners = torch.tensor([0, 1, 2])
-        plan = partition(ids, torch.ones(1, 3), owners)
-        pending = dispatch(clients, layer=0, x=torch.zeros(1, H, dtype=torch.bfloat16), plan=plan)
-        partials = pending.wait()
+        plan = partition(ids, torch.ones(1, 3), owners=np.array([0, 1, 2]))
+        transport.send(layer=0, micro_batch=0, x=torch.zeros(1, H, dtype=torch.bfloat16), plan=plan)
+        partials = transport.take(layer=0, micro_batch=0).wait()
         out = combine(plan, partials, H, torch.float32)
     finally:
-        for c in clients:
-            c.close()
+        transport.close()
         for s in servers:
             s.stop(None)
     assert answered == [2, 1, 0], "the answers did arrive in reverse"

@@ -1,0 +1,249 @@
+"""The transport seam against real worker processes: every data plane computes what the unary
+protobuf Forward computes, refuses bad frames by name, and turns a dead or stopped worker into
+ExpertWorkerError instead of a hang; shared memory leaves nothing behind after a kill -9."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from attention_server.combine import combine
+from attention_server.handshake import fetch_info
+from attention_server.partition import partition
+from attention_server.transport.base import Cause, ExpertTransport, ExpertWorkerError
+from attention_server.transport.factory import PlaneUnavailable, open_channel
+from protos import GRPC_OPTIONS, codec, frames
+from protos import expert_pb2 as pb
+from protos import expert_pb2_grpc as pb_grpc
+from protos.checkpoint import read_checkpoint
+from protos.placement import Placement
+from tests.support import HOST, Processes, start_workers
+from tests.test_expert_server import request_for
+
+NUM_WORKERS = 2
+PLANES = ("shm", "tcp", "grpc")
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return model_dir("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def workers(model, processes):
+    return start_workers(processes, model, NUM_WORKERS, tag="transport")
+
+
+@pytest.fixture(scope="module")
+def infos(workers):
+    return [fetch_info(w, e, 10) for w, e in enumerate(workers.endpoints)]
+
+
+def transport_for(workers, infos, plane: str, timeout_s: float = 30) -> ExpertTransport:
+    return ExpertTransport([open_channel(w, e, info, plane, timeout_s)
+                            for w, (e, info) in enumerate(zip(workers.endpoints, infos))])  # fmt: skip
+
+
+def routing(ckpt, num_tokens: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, ckpt.hidden_size, generator=g).to(torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(num_tokens, ckpt.num_experts, generator=g), -1).topk(ckpt.top_k, dim=-1)
+    return x, partition(ids.to(torch.int32), weights, Placement(ckpt.num_experts, NUM_WORKERS).owner_table())
+
+
+def unary_partials(workers, layer, x, plan) -> list[torch.Tensor]:
+    """The same work through the unary protobuf Forward: the reference every plane must equal."""
+    partials = []
+    for part in plan.slices:
+        with grpc.insecure_channel(workers.endpoints[part.worker], options=GRPC_OPTIONS) as channel:
+            request = request_for(layer, x[part.rows], part.pair_rows, part.pair_experts, part.pair_weights)
+            partials.append(codec.decode(pb_grpc.ExpertServiceStub(channel).Forward(request, timeout=30).partial))
+    return partials
+
+
+def test_workers_advertise_their_planes(infos):
+    for info in infos:
+        assert {p.kind for p in info.data_planes} == {"tcp", "shm"}
+        assert info.protocol_version == 2
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_every_plane_computes_what_unary_forward_computes(model, workers, infos, plane):
+    """Bitwise, with three micro-batches in flight at once and collected out of order."""
+    ckpt = read_checkpoint(model)
+    layer = ckpt.moe_layers[2]
+    batches = [routing(ckpt, num_tokens, seed) for seed, num_tokens in enumerate((1, 37, 300))]
+    transport = transport_for(workers, infos, plane)
+    try:
+        assert {c.plane for c in transport.channels} == {plane}
+        for micro_batch, (x, plan) in enumerate(batches):
+            transport.send(layer, micro_batch, x, plan)
+        for micro_batch in (2, 0, 1):
+            x, plan = batches[micro_batch]
+            got = transport.take(layer, micro_batch).wait()
+            want = unary_partials(workers, layer, x, plan)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), f"{plane}, micro-batch {micro_batch}"
+            assert torch.equal(combine(plan, got, ckpt.hidden_size, torch.float32),
+                               combine(plan, want, ckpt.hidden_size, torch.float32))  # fmt: skip
+    finally:
+        transport.close()
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_bad_request_is_refused_by_name_and_the_plane_keeps_serving(model, workers, infos, plane):
+    ckpt = read_checkpoint(model)
+    x, plan = routing(ckpt, 5, seed=3)
+    transport = transport_for(workers, infos, plane)
+    try:
+        transport.send(ckpt.num_hidden_layers + 7, 0, x, plan)  # no such MoE layer
+        with pytest.raises(ExpertWorkerError, match="INVALID_ARGUMENT: RequestError: layer .* is not a MoE layer") as err:
+            transport.take(ckpt.num_hidden_layers + 7, 0).wait()
+        assert err.value.cause == Cause.REFUSED
+        transport.send(ckpt.moe_layers[0], 0, x, plan)
+        assert len(transport.take(ckpt.moe_layers[0], 0).wait()) == len(plan.slices), "still serving"
+    finally:
+        transport.close()
+
+
+def test_a_frame_that_is_not_one_is_refused_with_a_reason(workers, infos):
+    """Garbage on the TCP plane and over the gRPC frame stream: INVALID_ARGUMENT naming the problem."""
+    tcp_port = next(p.port for p in infos[0].data_planes if p.kind == "tcp")
+    with socket.create_connection((HOST, tcp_port), timeout=10) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\n" + bytes(frames.HEADER.size))
+        header, payload = frames.recv_frame(sock, bytearray())
+    assert header.kind == frames.Kind.ERROR and frames.status_name(header.status) == "INVALID_ARGUMENT"
+    assert "not a hetero-moe frame" in bytes(payload).decode()
+
+    with grpc.insecure_channel(workers.endpoints[0], options=GRPC_OPTIONS) as channel:
+        call = channel.stream_stream(frames.GRPC_METHOD)
+        (reply,) = list(call(iter([frames.Header(frames.Kind.FORWARD, 1, rows=1, hidden=4, dtype=99, payload=8).pack()
+                                   + bytes(8)]), timeout=10))  # fmt: skip
+        header = frames.Header.unpack(reply[: frames.HEADER.size])
+    assert header.kind == frames.Kind.ERROR and "unknown wire dtype 99" in reply[frames.HEADER.size :].decode()
+
+
+def test_unary_forward_that_does_not_parse_is_invalid_argument(workers):
+    with grpc.insecure_channel(workers.endpoints[0], options=GRPC_OPTIONS) as channel:
+        forward = channel.unary_unary("/hetero_moe.expert.v2.ExpertService/Forward")  # raw bytes
+        with pytest.raises(grpc.RpcError) as err:
+            forward(b"\xff\xff\xff not protobuf", timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ForwardRequest does not parse" in err.value.details()
+
+
+def test_auto_picks_shared_memory_here_and_falls_back_without_it(workers, infos):
+    tcp_only = pb.InfoResponse()
+    tcp_only.CopyFrom(infos[0])
+    del tcp_only.data_planes[:]
+    tcp_only.data_planes.append(next(p for p in infos[0].data_planes if p.kind == "tcp"))
+    other_host = pb.InfoResponse()
+    other_host.CopyFrom(infos[0])
+    for p in other_host.data_planes:
+        p.host_id = "another-host"
+    assert open_channel(0, workers.endpoints[0], infos[0], "auto", 10).plane == "shm"
+    assert open_channel(0, workers.endpoints[0], other_host, "auto", 10).plane == "tcp"
+    assert open_channel(0, workers.endpoints[0], tcp_only, "auto", 10).plane == "tcp"
+    assert open_channel(0, workers.endpoints[0], pb.InfoResponse(), "auto", 10).plane == "grpc"
+    with pytest.raises(PlaneUnavailable, match="offers no shared memory"):
+        open_channel(0, workers.endpoints[0], other_host, "shm", 10)
+    with pytest.raises(PlaneUnavailable, match="offers no TCP data plane"):
+        open_channel(0, workers.endpoints[0], pb.InfoResponse(), "tcp", 10)
+
+
+def memfd_mappings(pid: int) -> list[str]:
+    return [ln for ln in Path(f"/proc/{pid}/maps").read_text().splitlines() if "memfd:hetero-moe" in ln]
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_killed_worker_is_a_named_error_not_a_hang(model, plane, tmp_path):
+    """kill -9 a worker while it holds a request (stopped first, so that it cannot answer before it
+    dies): the wait ends in ExpertWorkerError UNAVAILABLE; with shared memory, nothing of it is left
+    on either side or in /dev/shm."""
+    ckpt = read_checkpoint(model)
+    procs = Processes(tmp_path)
+    try:
+        workers = start_workers(procs, model, NUM_WORKERS, tag=f"kill-{plane}")
+        infos = [fetch_info(w, e, 10) for w, e in enumerate(workers.endpoints)]
+        transport = transport_for(workers, infos, plane)
+        x, plan = routing(ckpt, 64, seed=5)
+        transport.send(ckpt.moe_layers[0], 0, x, plan)  # connects and maps the segments
+        transport.take(ckpt.moe_layers[0], 0).wait()
+        survivor, victim = (procs.procs[f"kill-{plane}-worker-{i}"].pid for i in range(2))
+        assert bool(memfd_mappings(os.getpid())) == bool(memfd_mappings(survivor)) == (plane == "shm")
+        os.kill(victim, signal.SIGSTOP)
+        transport.send(ckpt.moe_layers[0], 0, x, plan)
+        time.sleep(0.2)
+        os.kill(victim, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(ExpertWorkerError, match=f"expert worker 1 at {workers.endpoints[1]}: UNAVAILABLE") as err:
+            transport.take(ckpt.moe_layers[0], 0).wait()
+        assert err.value.cause == Cause.UNAVAILABLE and time.monotonic() - start < 10
+        transport.close()
+        del err  # its traceback holds worker 0's partial, a view into the segment
+        deadline = time.monotonic() + 10
+        while (memfd_mappings(os.getpid()) or memfd_mappings(survivor)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not memfd_mappings(os.getpid()), "the client unmapped its segments"
+        assert not memfd_mappings(survivor), "the surviving worker let go of the closed client's segments"
+    finally:
+        procs.stop()
+    assert not [name for name in os.listdir("/dev/shm") if "hetero" in name], "nothing named in /dev/shm"
+
+
+def test_a_killed_client_leaves_no_segment_in_the_worker(model, workers, tmp_path):
+    client = """
+import sys, time, numpy, torch
+from attention_server.handshake import fetch_info
+from attention_server.partition import partition
+from attention_server.transport.factory import open_channel
+info = fetch_info(0, sys.argv[1], 10)
+channel = open_channel(0, sys.argv[1], info, "shm", 10)
+x = torch.zeros(3, info.hidden_size, dtype=torch.bfloat16)
+plan = partition(torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, 1), numpy.zeros(info.num_experts, dtype=numpy.int64))
+channel.receive(channel.send(info.moe_layers[0], 0, x, plan.slices[0]))
+print("sent", flush=True)
+time.sleep(600)
+"""
+    worker_pid = workers.procs.procs["transport-worker-0"].pid
+    before = len(memfd_mappings(worker_pid))
+    proc = subprocess.Popen([sys.executable, "-c", client, workers.endpoints[0]], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "sent"
+        assert len(memfd_mappings(worker_pid)) == before + 1, "the worker mapped the client's segment"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while len(memfd_mappings(worker_pid)) > before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(memfd_mappings(worker_pid)) == before, "the worker let go of the dead client's segment"
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_stopped_worker_costs_one_deadline(model, workers, infos, plane, tmp_path):
+    ckpt = read_checkpoint(model)
+    procs = Processes(tmp_path)
+    try:
+        stopped = start_workers(procs, model, NUM_WORKERS, tag=f"stop-{plane}")
+        stopped_infos = [fetch_info(w, e, 10) for w, e in enumerate(stopped.endpoints)]
+        transport = transport_for(stopped, stopped_infos, plane, timeout_s=1.0)
+        x, plan = routing(ckpt, 8, seed=6)
+        os.kill(procs.procs[f"stop-{plane}-worker-0"].pid, signal.SIGSTOP)
+        transport.send(ckpt.moe_layers[0], 0, x, plan)
+        start = time.monotonic()
+        with pytest.raises(ExpertWorkerError, match="expert worker 0 .*: DEADLINE: no answer within 1 s"):
+            transport.take(ckpt.moe_layers[0], 0).wait()
+        assert 0.9 < time.monotonic() - start < 5
+        os.kill(procs.procs[f"stop-{plane}-worker-0"].pid, signal.SIGCONT)
+        transport.close()
+    finally:
+        procs.stop()
