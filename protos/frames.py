@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import grpc
+import numpy as np
 import torch
 
 from protos import codec
@@ -132,13 +133,15 @@ def forward_header(request: int, layer: int, micro_batch: int, rows: int, width:
     return Header(Kind.FORWARD, request, layer, micro_batch, rows, width, pairs, codec.wire_dtype(dtype), payload=payload)
 
 
-def forward_parts(hidden: torch.Tensor, pairs: torch.Tensor) -> list[memoryview]:
-    """The FORWARD payload as buffers to send back to back (no copy of contiguous tensors).
+def forward_parts(x: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor) -> list[memoryview]:
+    """The FORWARD payload of x[rows] and the pairs, as buffers to send back to back.
 
-    pairs: [3, P] int32, row index, expert id and router weight (float32 bits) per pair
+    x: [T, H] contiguous CPU tensor; rows: [T_w] int64; pairs: [3, P] int32, row index, expert id
+    and router weight (float32 bits) per pair. The gather runs in numpy, on the rows' bytes: one
+    single-threaded copy, whatever the dtype and however many threads torch keeps.
     """
     assert pairs.dtype == torch.int32 and pairs.shape[0] == 3
-    return [tensor_bytes(hidden), tensor_bytes(pairs)]
+    return [memoryview(np.take(_row_bytes(x), rows.numpy(), axis=0)).cast("B"), tensor_bytes(pairs)]
 
 
 def reply_offset(request_payload: int) -> int:
@@ -153,17 +156,19 @@ def reply_size(header: Header) -> int:
     return header.payload if header.kind == Kind.ECHO else 0
 
 
-def write_forward(buffer: memoryview, hidden: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor) -> int:
-    """Gather hidden[rows] and copy the [3, P] pair block straight into `buffer` (e.g. shared
-    memory); returns the bytes written."""
-    width = hidden.shape[1]
-    if len(rows):
-        out = torch.frombuffer(buffer, dtype=hidden.dtype, count=len(rows) * width).view(len(rows), width)
-        torch.index_select(hidden, 0, rows, out=out)
-    offset = len(rows) * width * hidden.element_size()
-    if pairs.numel():
-        torch.frombuffer(buffer, dtype=torch.int32, count=pairs.numel(), offset=offset).copy_(pairs.reshape(-1))
-    return offset + pairs.numel() * 4
+def write_forward(buffer: memoryview, x: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor) -> int:
+    """forward_parts written straight into `buffer` (e.g. shared memory); returns the bytes written."""
+    src = _row_bytes(x)  # [T, H * itemsize]
+    hidden_bytes = len(rows) * src.shape[1]
+    dst = np.frombuffer(buffer, dtype=np.uint8, count=hidden_bytes + pairs.numel() * 4)
+    np.take(src, rows.numpy(), axis=0, out=dst[:hidden_bytes].reshape(len(rows), src.shape[1]))
+    dst[hidden_bytes:] = pairs.numpy().reshape(-1).view(np.uint8)
+    return len(dst)
+
+
+def _row_bytes(x: torch.Tensor) -> np.ndarray:
+    """[T, H] contiguous CPU tensor of any dtype as a [T, H * itemsize] uint8 array (a view)."""
+    return x.view(torch.uint8).numpy()
 
 
 def read_forward(header: Header, payload: memoryview | bytearray) -> ForwardTensors:
@@ -252,8 +257,21 @@ def recv_into_exactly(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-def recv_frame(sock: socket.socket, buffer: bytearray) -> tuple[Header, memoryview] | None:
-    """The next frame, its payload read into `buffer` (grown as needed); None at end of stream.
+class ReceiveBuffer:
+    """Where payloads are received. Grows by replacement, never in place: tensors that still view
+    an earlier payload keep its (old) bytes alive and unchanged."""
+
+    def __init__(self, size: int = 0):
+        self.data = bytearray(size)
+
+    def view(self, size: int) -> memoryview:
+        if len(self.data) < size:
+            self.data = bytearray(1 << (size - 1).bit_length())
+        return memoryview(self.data)[:size]
+
+
+def recv_frame(sock: socket.socket, buffer: ReceiveBuffer) -> tuple[Header, memoryview] | None:
+    """The next frame, its payload read into `buffer`; None at end of stream.
 
     Raises FrameError (or codec.CodecError) on a header that is not a valid frame: after that the
     stream cannot be trusted and the caller closes it.
@@ -263,9 +281,7 @@ def recv_frame(sock: socket.socket, buffer: bytearray) -> tuple[Header, memoryvi
         return None
     header = Header.unpack(head)
     header.check_payload()
-    if len(buffer) < header.payload:
-        buffer.extend(bytes(header.payload - len(buffer)))
-    payload = memoryview(buffer)[: header.payload]
+    payload = buffer.view(header.payload)
     if header.payload and not recv_into_exactly(sock, payload):
         raise ConnectionResetError("stream ended before the frame's payload")
     return header, payload

@@ -97,9 +97,9 @@ class GrpcStreamChannel(Channel):
                 reply.set_exception(self.error(cause, details))
 
     def send(self, layer: int, micro_batch: int, x: torch.Tensor, part: WorkerSlice) -> int:
-        request, hidden = self.next_request(), x[part.rows]
-        header = frames.forward_header(request, layer, micro_batch, *hidden.shape, hidden.dtype, part.num_pairs)
-        parts = frames.forward_parts(hidden, part.pairs)
+        request = self.next_request()
+        header = frames.forward_header(request, layer, micro_batch, len(part.rows), x.shape[1], x.dtype, part.num_pairs)
+        parts = frames.forward_parts(x, part.rows, part.pairs)
         return self._submit(request, b"".join([header.pack(), *parts]))
 
     def send_echo(self, payload: memoryview) -> int:

@@ -19,7 +19,7 @@ class TcpChannel(OrderedChannel):
         self.address = (endpoint.rpartition(":")[0], port)
         self.sock: socket.socket | None = None
         self.sent: dict[int, int] = {}  # request -> micro-batch
-        self.buffers: dict[int, bytearray] = {}  # per micro-batch: replies stay valid until its next send
+        self.buffers: dict[int, frames.ReceiveBuffer] = {}  # per micro-batch, so a reply outlives the others
 
     def connect(self) -> socket.socket:
         if self.sock is None:
@@ -33,10 +33,9 @@ class TcpChannel(OrderedChannel):
 
     def send(self, layer: int, micro_batch: int, x: torch.Tensor, part: WorkerSlice) -> int:
         sock, request = self.connect(), self.next_request()
-        hidden = x[part.rows]  # [T_w, H]
-        header = frames.forward_header(request, layer, micro_batch, *hidden.shape, hidden.dtype, part.num_pairs)
+        header = frames.forward_header(request, layer, micro_batch, len(part.rows), x.shape[1], x.dtype, part.num_pairs)
         try:
-            frames.send_frame(sock, header, frames.forward_parts(hidden, part.pairs))
+            frames.send_frame(sock, header, frames.forward_parts(x, part.rows, part.pairs))
         except BlockingIOError:
             raise self._lost(f"send: the worker took nothing for {self.timeout_s:g} s", Cause.DEADLINE) from None
         except OSError as err:
@@ -68,10 +67,8 @@ class TcpChannel(OrderedChannel):
                 raise self._lost("the worker closed the connection")
             header = Header.unpack(head)
             header.check_payload()
-            buffer = self.buffers.setdefault(self.sent.pop(header.request, 0), bytearray())
-            if len(buffer) < header.payload:
-                buffer.extend(bytes(header.payload - len(buffer)))
-            payload = memoryview(buffer)[: header.payload]
+            buffer = self.buffers.setdefault(self.sent.pop(header.request, 0), frames.ReceiveBuffer())
+            payload = buffer.view(header.payload)
             if header.payload and not frames.recv_into_exactly(sock, payload):
                 raise self._lost("the worker closed the connection mid-frame")
         except (TimeoutError, BlockingIOError):

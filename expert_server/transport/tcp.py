@@ -22,7 +22,7 @@ class TcpPlane(Plane):
 
     def serve(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        buffer = bytearray(1 << 20)
+        buffer = frames.ReceiveBuffer(1 << 20)
         while True:
             try:
                 frame = frames.recv_frame(conn, buffer)
