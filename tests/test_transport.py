@@ -3,6 +3,7 @@ protobuf Forward computes, refuses bad frames by name, and turns a dead or stopp
 ExpertWorkerError instead of a hang; shared memory leaves nothing behind after a kill -9."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -93,6 +94,26 @@ def test_every_plane_computes_what_unary_forward_computes(model, workers, infos,
             assert all(torch.equal(g, w) for g, w in zip(got, want)), f"{plane}, micro-batch {micro_batch}"
             assert torch.equal(combine(plan, got, ckpt.hidden_size, torch.float32),
                                combine(plan, want, ckpt.hidden_size, torch.float32))  # fmt: skip
+    finally:
+        transport.close()
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_payloads_grow_while_earlier_partials_are_held(model, workers, infos, plane):
+    """Decode, then prefill-sized micro-batches on the same slot while the caller still holds the
+    earlier partials (views into the plane's buffers, valid until that slot's next send): the
+    buffers grow by replacement and every answer is right."""
+    ckpt = read_checkpoint(model)
+    layer = ckpt.moe_layers[0]
+    transport = transport_for(workers, infos, plane)
+    try:
+        held = []
+        for num_tokens in (1, 64, 2048):
+            x, plan = routing(ckpt, num_tokens, seed=num_tokens)
+            transport.send(layer, 0, x, plan)
+            held.append(transport.take(layer, 0).wait())
+            want = unary_partials(workers, layer, x, plan)
+            assert all(torch.equal(g, w) for g, w in zip(held[-1], want)), num_tokens
     finally:
         transport.close()
 
@@ -247,3 +268,22 @@ def test_a_stopped_worker_costs_one_deadline(model, workers, infos, plane, tmp_p
         transport.close()
     finally:
         procs.stop()
+
+
+def test_probe_measures_every_plane_it_can_reach(workers):
+    result = subprocess.run([sys.executable, "-m", "attention_server.probe", ",".join(workers.endpoints), "--json",
+                             "--iterations", "20"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert [r["endpoint"] for r in report] == workers.endpoints
+    for r in report:
+        assert set(r["planes"]) == set(PLANES)
+        for plane, m in r["planes"].items():
+            assert m["latency_p50_ms"] > 0 and m["bandwidth_gb_per_s"] > 0, (plane, m)
+            assert m["round_trips"]["latency"] == 20
+
+
+def test_probe_names_an_unreachable_worker():
+    result = subprocess.run([sys.executable, "-m", "attention_server.probe", "127.0.0.1:1", "--timeout", "2"],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 2 and "worker 0 at 127.0.0.1:1: not reachable within 2 s" in result.stderr
