@@ -322,7 +322,21 @@ def plot(rows: list[dict], path: Path) -> None:
 GPU_TOKENS, GPU_STEPS = 64, 200
 
 
+def _forward_seconds(url: str) -> tuple[float, float]:
+    """(sum, count) of a worker's Forward time: decode, validation, experts, encode."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        samples = {s.name: s.value for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
+    return samples["hetero_moe_worker_forward_seconds_sum"], samples["hetero_moe_worker_forward_seconds_count"]
+
+
 def gpu_layers(logs: Path) -> dict:
+    # The client's host work is small single-threaded numpy; torch's idle OpenMP threads would
+    # otherwise spin beside the eight workers after each routing draw.
+    torch.set_num_threads(1)
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hetero-moe" / "models"
     model = tiny_models.make("qwen3_moe", cache / "qwen3_moe-a3b", preset="a3b")
     ckpt = read_checkpoint(model)
@@ -341,22 +355,32 @@ def gpu_layers(logs: Path) -> dict:
         owners = Placement(ckpt.num_experts, NUM_WORKERS).owner_table()
         g = torch.Generator().manual_seed(0)
         x = torch.randn(GPU_TOKENS, ckpt.hidden_size, generator=g).to(torch.bfloat16)
-        round_trips, compute = [], []
+        phases = {"partition": [], "send": [], "wait": [], "combine": [], "round_trip": [], "compute": []}
+        worker_urls = [f"http://{HOST}:{ports[2] + i}/metrics" for i in range(NUM_WORKERS)]
         for step in range(GPU_STEPS + 10):
+            if step == 10:  # the first steps compile and warm the kernels
+                handled_before = [_forward_seconds(u) for u in worker_urls]
             for layer in ckpt.moe_layers:
                 weights, ids = torch.softmax(torch.randn(GPU_TOKENS, ckpt.num_experts, generator=g), -1).topk(ckpt.top_k, -1)
+                t0 = time.perf_counter()
                 plan = partition(ids.to(torch.int32), weights, owners)
-                start = time.perf_counter()
+                t1 = time.perf_counter()
                 transport.send(layer, 0, x, plan)
+                t2 = time.perf_counter()
                 pending = transport.take(layer, 0)
-                combine(plan, pending.wait(), ckpt.hidden_size, torch.bfloat16)
-                if step >= 10:  # the first steps compile and warm the kernels
-                    round_trips.append(time.perf_counter() - start)
-                    compute.append(max(pending.compute_ns) / 1e9)
+                partials = pending.wait()
+                t3 = time.perf_counter()
+                combine(plan, partials, ckpt.hidden_size, torch.bfloat16)
+                t4 = time.perf_counter()
+                if step >= 10:
+                    for name, t in (("partition", t1 - t0), ("send", t2 - t1), ("wait", t3 - t2), ("combine", t4 - t3),
+                                    ("round_trip", t4 - t1), ("compute", max(pending.compute_ns) / 1e9)):  # fmt: skip
+                        phases[name].append(t)
+        handled = [(s1 - s0, n1 - n0) for (s0, n0), (s1, n1) in zip(handled_before, map(_forward_seconds, worker_urls))]
         transport.close()
     finally:
         stop_pids({f"gpu-worker-{i}": p.pid for i, p in procs.items()}, reap=lambda: [p.poll() for p in procs.values()])
-    rt, kc = sorted(round_trips), sorted(compute)
+    rt, kc = sorted(phases["round_trip"]), sorted(phases["compute"])
     result = {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device seen by the client",
         "model": "qwen3_moe a3b preset: hidden 2048, 128 experts of width 768, top-8, 4 MoE layers, W4A16 group 128",
@@ -368,6 +392,8 @@ def gpu_layers(logs: Path) -> dict:
         "round_trip_p99_ms": rt[int(len(rt) * 0.99)] * 1e3,
         "slowest_worker_compute_p50_ms": statistics.median(kc) * 1e3,
         "round_trip_over_compute": statistics.median(rt) / statistics.median(kc),
+        "client_p50_ms": {name: statistics.median(v) * 1e3 for name, v in phases.items()},
+        "worker_handle_mean_ms": [s / n * 1e3 for s, n in handled],
     }
     print("\n".join(f"{k:32} {v:.3f}" if isinstance(v, float) else f"{k:32} {v}" for k, v in result.items()))
     return result
