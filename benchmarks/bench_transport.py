@@ -11,8 +11,8 @@ One run, loopback only, every process started and stopped by the bench:
    field, the synchronous stub's futures) as the baseline. p50/p99, GB/s (both directions), CPU
    per round trip of the client and of the servers, ratio to the floor.
 2. End to end on the embedded tiny model (4 MoE layers): decode inter-token latency of one
-   stream and output tokens/s of 16 concurrent streams, stock vLLM against the cluster on each
-   plane, same flags (compiled), and the cluster's cost per MoE layer.
+   request at a time and output tokens/s of 16 concurrent requests, stock vLLM against the
+   cluster on each plane, same flags (compiled), and the cluster's cost per MoE layer.
 
 Prints a table, writes JSON and a PNG next to it. Absolute times are this machine's; compare
 ratios from the same run.
@@ -51,7 +51,7 @@ from attention_server.partition import partition
 from attention_server.transport import factory
 from attention_server.transport.factory import open_channel
 from benchmarks.tcp_echo import LENGTH
-from cluster.launcher import ClusterSpec, stop_pids, wait_http_ready
+from cluster.launcher import ClusterSpec, free_port_run, free_ports, stop_pids, wait_http_ready
 from protos import GRPC_OPTIONS, codec
 from protos import expert_pb2_grpc as pb_grpc
 from protos.checkpoint import read_checkpoint
@@ -69,16 +69,6 @@ NUM_WORKERS = 8
 VLLM_ARGS = ("--dtype", "bfloat16", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 30))
 E2E_PLANES = ("shm", "tcp", "grpc")
 DECODE_TOKENS = 64
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind((HOST, 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -212,17 +202,17 @@ def round_trips(endpoints: list[str], worker_pids: list[int], echo_ports: list[i
 # ---- end to end ------------------------------------------------------------------------------
 
 
-def stream_times(client: OpenAI, model: str, prompt: str, max_tokens: int) -> list[float]:
-    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})  # fmt: skip
-    times = [time.perf_counter() for chunk in stream if chunk.choices and chunk.choices[0].text is not None]
-    assert times, "no tokens streamed"
-    return times
+def completion_seconds(client, model: str, prompt: str, max_tokens: int) -> float:
+    start = time.perf_counter()
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert out.usage.completion_tokens == max_tokens
+    return time.perf_counter() - start
 
 
-def concurrent_streams(client: OpenAI, model: str, max_tokens: int, streams: int = 16) -> None:
-    threads = [threading.Thread(target=stream_times, args=(client, model, f"Stream {i} tells a story about", max_tokens))
-               for i in range(streams)]  # fmt: skip
+def concurrent_completions(client, model: str, max_tokens: int, streams: int = 16) -> None:
+    threads = [threading.Thread(target=completion_seconds, args=(client, model, f"Stream {i} tells a story about",
+                                                                 max_tokens)) for i in range(streams)]  # fmt: skip
     for t in threads:
         t.start()
     for t in threads:
@@ -240,17 +230,18 @@ def serve_and_measure(cmd: list[str], url: str, log: Path, env: dict | None = No
         startup = time.perf_counter() - started
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
-        for _ in range(2):
-            stream_times(client, model, "Warm up the caches", 16)
-        itls = []
-        for i in range(5):  # one stream at a time: decode inter-token latency, first to last token
-            t = stream_times(client, model, f"Request {i}: the weather today is", DECODE_TOKENS)
-            itls.append((t[-1] - t[0]) / (DECODE_TOKENS - 1))  # chunk times bunch up; their span does not
-        concurrent_streams(client, model, 8)  # warm: the first batch of 16 may compile its shapes
+        prompt = "The weather today is"
+        for tokens in (1, DECODE_TOKENS):  # warm: compile and caches
+            completion_seconds(client, model, prompt, tokens)
+        # Decode inter-token latency without trusting when streamed chunks arrive (they bunch):
+        # the time of N tokens less the time of one, over N - 1, same prompt, one request at a time.
+        one = statistics.median(completion_seconds(client, model, prompt, 1) for _ in range(5))
+        many = statistics.median(completion_seconds(client, model, prompt, DECODE_TOKENS) for _ in range(5))
+        concurrent_completions(client, model, 8)  # warm: the first batch of 16 may compile its shapes
         start = time.perf_counter()
-        concurrent_streams(client, model, DECODE_TOKENS)
+        concurrent_completions(client, model, DECODE_TOKENS)
         wall = time.perf_counter() - start
-        return {"startup_s": startup, "itl_ms": statistics.median(itls) * 1e3, "itl_ms_each_request": [t * 1e3 for t in itls],
+        return {"startup_s": startup, "first_token_ms": one * 1e3, "itl_ms": (many - one) / (DECODE_TOKENS - 1) * 1e3,
                 "streams_16_tokens_per_s": 16 * DECODE_TOKENS / wall}  # fmt: skip
     finally:
         stop_pids({"server": proc.pid}, reap=proc.poll)
@@ -340,9 +331,9 @@ def gpu_layers(logs: Path) -> dict:
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hetero-moe" / "models"
     model = tiny_models.make("qwen3_moe", cache / "qwen3_moe-a3b", preset="a3b")
     ckpt = read_checkpoint(model)
-    ports = free_ports(2 + NUM_WORKERS)
-    spec = ClusterSpec(model=model, num_workers=NUM_WORKERS, worker_base_port=ports[0], http_port=ports[1], host=HOST,
-                       run_dir=logs, worker_threads=1, worker_metrics_base_port=ports[2],
+    metrics_base = free_port_run(NUM_WORKERS)
+    spec = ClusterSpec(model=model, num_workers=NUM_WORKERS, worker_base_port=free_port_run(NUM_WORKERS), http_port=0,
+                       host=HOST, run_dir=logs, worker_threads=1, worker_metrics_base_port=metrics_base,
                        worker_args=("--device", "cuda", "--weight-format", "w4a16", "--kernel-backend", "triton"))  # fmt: skip
     procs = {}
     try:
@@ -356,7 +347,7 @@ def gpu_layers(logs: Path) -> dict:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(GPU_TOKENS, ckpt.hidden_size, generator=g).to(torch.bfloat16)
         phases = {"partition": [], "send": [], "wait": [], "combine": [], "round_trip": [], "compute": []}
-        worker_urls = [f"http://{HOST}:{ports[2] + i}/metrics" for i in range(NUM_WORKERS)]
+        worker_urls = [f"http://{HOST}:{metrics_base + i}/metrics" for i in range(NUM_WORKERS)]
         for step in range(GPU_STEPS + 10):
             if step == 10:  # the first steps compile and warm the kernels
                 handled_before = [_forward_seconds(u) for u in worker_urls]
@@ -418,16 +409,17 @@ def main() -> None:
         print(f"\nwrote {a.out}")
         return
     model = tiny_models.make("qwen3_moe", tiny_models.default_model_dir())
-    ports = free_ports(2 + 2 * NUM_WORKERS)
-    spec = ClusterSpec(model=model, num_workers=NUM_WORKERS, worker_base_port=ports[0], http_port=ports[1], host=HOST,
-                       run_dir=logs, worker_threads=1, worker_metrics_base_port=ports[2])  # fmt: skip
+    spec = ClusterSpec(model=model, num_workers=NUM_WORKERS, worker_base_port=free_port_run(NUM_WORKERS), http_port=0,
+                       host=HOST, run_dir=logs, worker_threads=1,
+                       worker_metrics_base_port=free_port_run(NUM_WORKERS))  # fmt: skip
     procs: dict[str, subprocess.Popen] = {}
     try:
         for i in range(NUM_WORKERS):
             with (logs / f"worker-{i}.log").open("wb") as f:
                 procs[f"worker-{i}"] = subprocess.Popen(spec.worker_command(i), stdout=f, stderr=subprocess.STDOUT,
                                                         start_new_session=True)  # fmt: skip
-        echo_ports = ports[2 + NUM_WORKERS :]
+        echo_base = free_port_run(NUM_WORKERS)
+        echo_ports = list(range(echo_base, echo_base + NUM_WORKERS))
         for i, port in enumerate(echo_ports):
             procs[f"echo-{i}"] = subprocess.Popen([sys.executable, "-m", "benchmarks.tcp_echo", "--port", str(port)],
                                                   start_new_session=True)  # fmt: skip

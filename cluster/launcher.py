@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -144,6 +145,35 @@ def wait_http_ready(base_url: str, procs: Iterable[subprocess.Popen], timeout_s:
             pass
         time.sleep(1.0)
     raise TimeoutError(f"{base_url} not ready after {timeout_s:.0f} s")
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n ports free on `host` right now (the kernel's picks)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind((host, 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def free_port_run(n: int, host: str = "127.0.0.1") -> int:
+    """A base port with base .. base + n - 1 all free on `host`, for processes listening on base + i."""
+    for _ in range(100):
+        (base,) = free_ports(1, host)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {n} consecutive free ports on {host}")
 
 
 def _alive(pid: int) -> bool:

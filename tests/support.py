@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.launcher import stop_pids
+from cluster.launcher import free_port_run, free_ports, stop_pids  # noqa: F401 (tests import them from here)
 
 HOST = "127.0.0.1"
 # The CPU flags every vLLM in the tests runs with, stock or cluster.
@@ -64,16 +63,6 @@ def generate(base_url: str) -> list[Generation]:
             runner_up.append(token_id(second))
         out[choice.index] = Generation(tokens, margins, runner_up)
     return out
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind((HOST, 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Processes:

@@ -47,7 +47,7 @@ from transformers import AutoTokenizer
 from cluster.launcher import wait_http_ready
 from protos.checkpoint import read_checkpoint
 from tests.support import (
-    HOST, MAX_TOKENS, PROMPTS, VLLM_CPU_ARGS, ClusterCounters, Generation, assert_workers_did_the_work, free_ports,
+    HOST, MAX_TOKENS, PROMPTS, VLLM_CPU_ARGS, ClusterCounters, Generation, assert_workers_did_the_work, free_port_run, free_ports,
     generate, python_module, token_id,
 )  # fmt: skip
 from tiny_models.w4a16 import quantize_experts
@@ -163,7 +163,8 @@ def cluster(request, model_dir, tmp_path_factory) -> Cluster:
     model = cluster_model = model_dir(case.arch)
     if case.w4a16:  # experts packed by another project's packer; stock gets the dequantized twin
         cluster_model, model = quantize_experts(model, logs / "w4a16", logs / "dequantized", 32, case.w4a16)
-    http_stock, http_cluster, worker_base, metrics_base = free_ports(4)
+    http_stock, http_cluster = free_ports(2)
+    worker_base, metrics_base = free_port_run(NUM_WORKERS), free_port_run(NUM_WORKERS)
     # Flags after `--` follow `make up`'s CPU defaults and win: max-model-len 1024, not 2048.
     vllm_args = [*VLLM_CPU_ARGS, "--dtype", case.dtype, *case.vllm_args]
 
