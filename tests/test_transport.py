@@ -139,7 +139,7 @@ def test_a_frame_that_is_not_one_is_refused_with_a_reason(workers, infos):
     tcp_port = next(p.port for p in infos[0].data_planes if p.kind == "tcp")
     with socket.create_connection((HOST, tcp_port), timeout=10) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\n" + bytes(frames.HEADER.size))
-        header, payload = frames.recv_frame(sock, bytearray())
+        header, payload = frames.recv_frame(sock, frames.ReceiveBuffer())
     assert header.kind == frames.Kind.ERROR and frames.status_name(header.status) == "INVALID_ARGUMENT"
     assert "not a hetero-moe frame" in bytes(payload).decode()
 

@@ -91,6 +91,7 @@ class OrderedChannel(Channel):
 
     def __init__(self, worker: int, endpoint: str, timeout_s: float):
         super().__init__(worker, endpoint, timeout_s)
+        self.sock: socket.socket | None = None
         self.arrived: dict[int, Answer | ExpertWorkerError] = {}
 
     @abstractmethod
@@ -107,7 +108,15 @@ class OrderedChannel(Channel):
             raise result
         return result
 
+    def lost(self, details: str, cause: Cause = Cause.UNAVAILABLE, status: str | None = None) -> ExpertWorkerError:
+        """The connection can no longer be trusted: drop it (the next send reconnects)."""
+        self.close()
+        return self.error(cause, details, status)
+
     def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
         self.arrived.clear()
 
 

@@ -27,7 +27,6 @@ class ShmChannel(OrderedChannel):
     def __init__(self, worker: int, endpoint: str, timeout_s: float, address: str):
         super().__init__(worker, endpoint, timeout_s)
         self.address = "\0" + address
-        self.sock: socket.socket | None = None
         self.segments: dict[int, mmap.mmap] = {}  # per micro-batch
         self.sent: dict[int, tuple[int, int]] = {}  # request -> (micro-batch, reply offset)
 
@@ -63,7 +62,7 @@ class ShmChannel(OrderedChannel):
         try:
             socket.send_fds(sock, [header.pack()], [fd] if fd is not None else [])
         except OSError as err:
-            raise self._lost(f"send: {err}") from None
+            raise self.lost(f"send: {err}") from None
         finally:
             if fd is not None:
                 os.close(fd)
@@ -90,20 +89,20 @@ class ShmChannel(OrderedChannel):
         try:
             message = self.sock.recv(HEADER.size + _MAX_ERROR_BYTES)
             if not message:
-                raise self._lost("the worker closed the connection")
+                raise self.lost("the worker closed the connection")
             return Header.unpack(message[: HEADER.size]), message[HEADER.size :]
         except (TimeoutError, BlockingIOError):
-            raise self._lost(f"no answer within {self.timeout_s:g} s", Cause.DEADLINE) from None
+            raise self.lost(f"no answer within {self.timeout_s:g} s", Cause.DEADLINE) from None
         except (FrameError, codec.CodecError) as err:
-            raise self._lost(f"unreadable reply: {err}", Cause.REFUSED) from None
+            raise self.lost(f"unreadable reply: {err}", Cause.REFUSED) from None
         except OSError as err:
-            raise self._lost(str(err)) from None
+            raise self.lost(str(err)) from None
 
     def _result(self, header: Header, reason: bytes) -> Answer | ExpertWorkerError:
         if header.kind == Kind.ERROR:
             text = reason.decode(errors="replace")
             if header.request == 0:
-                raise self._lost(text, Cause.REFUSED, frames.status_name(header.status))
+                raise self.lost(text, Cause.REFUSED, frames.status_name(header.status))
             self.sent.pop(header.request, None)
             return self.error(Cause.REFUSED, text, frames.status_name(header.status))
         micro_batch, reply_at = self.sent.pop(header.request)
@@ -113,22 +112,15 @@ class ShmChannel(OrderedChannel):
             if reply_at + header.payload > len(segment):
                 raise FrameError(f"a {header.payload}-byte reply does not fit the {len(segment)}-byte segment")
         except (FrameError, codec.CodecError) as err:
-            raise self._lost(f"unreadable reply: {err}", Cause.REFUSED) from None
+            raise self.lost(f"unreadable reply: {err}", Cause.REFUSED) from None
         if header.kind == Kind.PARTIAL:
             return Answer(frames.read_partial(header, memoryview(segment)[reply_at : reply_at + header.payload]),
                           header.compute_ns)
         if header.kind == Kind.ECHO:
             return Answer(frames.read_bytes(memoryview(segment)[reply_at : reply_at + header.payload]))
-        raise self._lost(f"unexpected {header.kind.name} frame", Cause.REFUSED)
-
-    def _lost(self, details: str, cause: Cause = Cause.UNAVAILABLE, status: str | None = None):
-        self.close()
-        return self.error(cause, details, status)
+        raise self.lost(f"unexpected {header.kind.name} frame", Cause.REFUSED)
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
         self.segments.clear()  # unmapped as their last views go
         self.sent.clear()
         super().close()

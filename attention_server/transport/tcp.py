@@ -17,7 +17,6 @@ class TcpChannel(OrderedChannel):
     def __init__(self, worker: int, endpoint: str, timeout_s: float, port: int):
         super().__init__(worker, endpoint, timeout_s)
         self.address = (endpoint.rpartition(":")[0], port)
-        self.sock: socket.socket | None = None
         self.sent: dict[int, int] = {}  # request -> micro-batch
         self.buffers: dict[int, frames.ReceiveBuffer] = {}  # per micro-batch, so a reply outlives the others
 
@@ -37,9 +36,9 @@ class TcpChannel(OrderedChannel):
         try:
             frames.send_frame(sock, header, frames.forward_parts(x, part.rows, part.pairs))
         except BlockingIOError:
-            raise self._lost(f"send: the worker took nothing for {self.timeout_s:g} s", Cause.DEADLINE) from None
+            raise self.lost(f"send: the worker took nothing for {self.timeout_s:g} s", Cause.DEADLINE) from None
         except OSError as err:
-            raise self._lost(f"send: {err}") from None
+            raise self.lost(f"send: {err}") from None
         self.sent[request] = micro_batch
         return request
 
@@ -49,7 +48,7 @@ class TcpChannel(OrderedChannel):
         try:
             frames.send_frame(sock, Header(Kind.ECHO, request, payload=len(payload)), [payload])
         except OSError as err:
-            raise self._lost(f"send: {err}") from None
+            raise self.lost(f"send: {err}") from None
         self.sent[request] = 0
         return request
 
@@ -64,19 +63,19 @@ class TcpChannel(OrderedChannel):
         try:
             head = bytearray(HEADER.size)
             if not frames.recv_into_exactly(sock, memoryview(head)):
-                raise self._lost("the worker closed the connection")
+                raise self.lost("the worker closed the connection")
             header = Header.unpack(head)
             header.check_payload()
             buffer = self.buffers.setdefault(self.sent.pop(header.request, 0), frames.ReceiveBuffer())
             payload = buffer.view(header.payload)
             if header.payload and not frames.recv_into_exactly(sock, payload):
-                raise self._lost("the worker closed the connection mid-frame")
+                raise self.lost("the worker closed the connection mid-frame")
         except (TimeoutError, BlockingIOError):
-            raise self._lost(f"no answer within {self.timeout_s:g} s", Cause.DEADLINE) from None
+            raise self.lost(f"no answer within {self.timeout_s:g} s", Cause.DEADLINE) from None
         except (FrameError, codec.CodecError) as err:
-            raise self._lost(f"unreadable reply: {err}", Cause.REFUSED) from None
+            raise self.lost(f"unreadable reply: {err}", Cause.REFUSED) from None
         except OSError as err:
-            raise self._lost(str(err)) from None
+            raise self.lost(str(err)) from None
         return header, payload
 
     def _result(self, header: Header, payload: memoryview) -> Answer | ExpertWorkerError:
@@ -87,18 +86,10 @@ class TcpChannel(OrderedChannel):
         if header.kind == Kind.ERROR:
             reason = bytes(payload).decode(errors="replace")
             if header.request == 0:  # the worker could not read our framing and closed the stream
-                raise self._lost(reason, Cause.REFUSED, frames.status_name(header.status))
+                raise self.lost(reason, Cause.REFUSED, frames.status_name(header.status))
             return self.error(Cause.REFUSED, reason, frames.status_name(header.status))
-        raise self._lost(f"unexpected {header.kind.name} frame", Cause.REFUSED)
-
-    def _lost(self, details: str, cause: Cause = Cause.UNAVAILABLE, status: str | None = None):
-        """The connection can no longer be trusted: drop it (the next send reconnects)."""
-        self.close()
-        return self.error(cause, details, status)
+        raise self.lost(f"unexpected {header.kind.name} frame", Cause.REFUSED)
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
         self.sent.clear()
         super().close()
