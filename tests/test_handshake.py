@@ -72,8 +72,8 @@ def test_refuses_a_worker_of_another_protocol_version(model_dir, qwen3_workers, 
     """A real worker process of a future wire version (its PROTOCOL_VERSION raised before it starts)."""
     model = model_dir("qwen3_moe")
     (port,) = free_ports(1)
-    future = (f"import runpy, sys, protos; protos.PROTOCOL_VERSION = 3; sys.argv[0] = 'expert_server'; "
-              f"runpy.run_module('expert_server', run_name='__main__')")  # fmt: skip
+    future = ("import runpy, sys, protos; protos.PROTOCOL_VERSION = 3; sys.argv[0] = 'expert_server'; "
+              "runpy.run_module('expert_server', run_name='__main__')")  # fmt: skip
     procs = Processes(tmp_path)
     try:
         proc = procs.start("future", [sys.executable, "-c", future, "--model", str(model), "--worker-index", "3",

@@ -21,6 +21,8 @@ from typing import ClassVar
 import torch
 
 from attention_server.partition import DispatchPlan, WorkerSlice
+from protos.codec import CodecError
+from protos.frames import FrameError
 
 
 def kernel_deadlines(sock: socket.socket, timeout_s: float) -> None:
@@ -107,6 +109,14 @@ class OrderedChannel(Channel):
         if isinstance(result, ExpertWorkerError):
             raise result
         return result
+
+    def receive_failed(self, err: Exception) -> ExpertWorkerError:
+        """The error a failed read of a reply becomes; the connection is dropped either way."""
+        if isinstance(err, (TimeoutError, BlockingIOError)):  # the kernel's receive deadline
+            return self.lost(f"no answer within {self.timeout_s:g} s", Cause.DEADLINE)
+        if isinstance(err, (FrameError, CodecError)):
+            return self.lost(f"unreadable reply: {err}", Cause.REFUSED)
+        return self.lost(str(err))
 
     def lost(self, details: str, cause: Cause = Cause.UNAVAILABLE, status: str | None = None) -> ExpertWorkerError:
         """The connection can no longer be trusted: drop it (the next send reconnects)."""

@@ -91,12 +91,8 @@ class ShmChannel(OrderedChannel):
             if not message:
                 raise self.lost("the worker closed the connection")
             return Header.unpack(message[: HEADER.size]), message[HEADER.size :]
-        except (TimeoutError, BlockingIOError):
-            raise self.lost(f"no answer within {self.timeout_s:g} s", Cause.DEADLINE) from None
-        except (FrameError, codec.CodecError) as err:
-            raise self.lost(f"unreadable reply: {err}", Cause.REFUSED) from None
-        except OSError as err:
-            raise self.lost(str(err)) from None
+        except (OSError, FrameError, codec.CodecError) as err:
+            raise self.receive_failed(err) from None
 
     def _result(self, header: Header, reason: bytes) -> Answer | ExpertWorkerError:
         if header.kind == Kind.ERROR:

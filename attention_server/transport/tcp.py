@@ -70,12 +70,8 @@ class TcpChannel(OrderedChannel):
             payload = buffer.view(header.payload)
             if header.payload and not frames.recv_into_exactly(sock, payload):
                 raise self.lost("the worker closed the connection mid-frame")
-        except (TimeoutError, BlockingIOError):
-            raise self.lost(f"no answer within {self.timeout_s:g} s", Cause.DEADLINE) from None
-        except (FrameError, codec.CodecError) as err:
-            raise self.lost(f"unreadable reply: {err}", Cause.REFUSED) from None
-        except OSError as err:
-            raise self.lost(str(err)) from None
+        except (OSError, FrameError, codec.CodecError) as err:
+            raise self.receive_failed(err) from None
         return header, payload
 
     def _result(self, header: Header, payload: memoryview) -> Answer | ExpertWorkerError:
