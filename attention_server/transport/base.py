@@ -76,6 +76,10 @@ class Channel(ABC):
         """Start computing `part` of x [T, H] on this worker; returns the request id to receive."""
 
     @abstractmethod
+    def send_echo(self, payload: memoryview) -> int:
+        """A transport probe: the worker sends `payload` back unchanged, computing nothing."""
+
+    @abstractmethod
     def receive(self, request: int) -> Answer:
         """The answer to a sent request. Its tensor may be a view into this channel's buffers
         that stays valid until the next send of the same micro-batch."""
