@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
 import grpc
@@ -95,10 +96,23 @@ async def serve(cfg: WorkerConfig) -> None:
     servicer.close()
 
 
+def run_as_batch() -> None:
+    """SCHED_BATCH for every thread of this process (imports already started some); the threads
+    started later (event loop, gRPC, the planes) inherit it."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(tid), os.SCHED_BATCH, os.sched_param(0))
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = WorkerConfig.from_args()
+    if cfg.cpu_scheduling == "batch":
+        run_as_batch()
     try:
-        uvloop.run(serve(WorkerConfig.from_args()))
+        uvloop.run(serve(cfg))
     except (BackendUnavailable, UnsupportedQuantization, FormatMismatch, CheckpointError) as err:
         logger.error("cannot serve: %s", err)
         raise SystemExit(2) from None

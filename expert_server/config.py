@@ -7,6 +7,7 @@ from pathlib import Path
 
 WEIGHT_FORMATS = ("checkpoint", "w4a16")
 DATA_PLANES = ("tcp", "shm")  # offered besides gRPC, which every worker serves
+CPU_SCHEDULING = ("batch", "normal")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,7 @@ class WorkerConfig:
     group_size: int = 128  # quantize-on-load group
     data_planes: tuple[str, ...] = DATA_PLANES
     data_port: int = 0  # TCP data plane port; 0 picks a free one (Info tells the attention node)
+    cpu_scheduling: str = "batch"  # Linux policy of every worker thread (SCHED_BATCH or SCHED_OTHER)
 
     def __post_init__(self) -> None:
         if not self.model.is_dir():
@@ -46,6 +48,8 @@ class WorkerConfig:
             raise ValueError(f"--data-port {self.data_port} is not a TCP port")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
+        if self.cpu_scheduling not in CPU_SCHEDULING:
+            raise ValueError(f"--cpu-scheduling {self.cpu_scheduling!r} is not one of {CPU_SCHEDULING}")
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> WorkerConfig:
@@ -65,6 +69,10 @@ class WorkerConfig:
         p.add_argument("--data-planes", default=",".join(DATA_PLANES),
                        help="data planes to offer besides gRPC: tcp (any host), shm (same host); '' for none")
         p.add_argument("--data-port", type=int, default=0, help="TCP data plane port (0 picks a free one)")
+        p.add_argument("--cpu-scheduling", default="batch", choices=CPU_SCHEDULING,
+                       help="batch (default): Linux SCHED_BATCH, so a request arriving never preempts the process "
+                            "that sent it (on a host shared with the attention node, its fan-out to the other "
+                            "workers finishes first); normal: SCHED_OTHER")
         a = p.parse_args(argv)
         return cls(
             model=a.model,
@@ -80,4 +88,5 @@ class WorkerConfig:
             group_size=a.group_size,
             data_planes=tuple(x.strip() for x in a.data_planes.split(",") if x.strip()),
             data_port=a.data_port,
+            cpu_scheduling=a.cpu_scheduling,
         )

@@ -1,6 +1,8 @@
 """Real expert_server processes: Info, numerics against HF transformers, refusals, health, reflection."""
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 import torch
@@ -52,6 +54,16 @@ def test_info_describes_the_shard(served):
         assert (info.worker_index, info.num_workers) == (worker, NUM_WORKERS)
         assert [(r.start, r.end) for r in info.expert_ranges] == [(start, end)]
         assert info.kernel_backend == "reference" and info.activation == "silu"
+
+
+def test_workers_run_as_batch_processes(served):
+    """SCHED_BATCH by default (a request never preempts the process that sent it), every thread."""
+    arch, _, workers, _ = served
+    mine = [proc for name, proc in workers.procs.procs.items() if name.startswith(f"es-{arch}-worker-")]
+    assert len(mine) == NUM_WORKERS
+    for proc in mine:
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            assert os.sched_getscheduler(int(tid)) == os.SCHED_BATCH, f"thread {tid} of worker {proc.pid}"
 
 
 def test_partials_match_hf_transformers_experts(served):
