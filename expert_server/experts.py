@@ -70,16 +70,19 @@ class LocalExperts:
                 f"pair tensors differ in length: rows {num_pairs}, experts {pair_experts.shape[0]}, "
                 f"weights {pair_weights.shape[0]}"
             )
-        # The pair checks run on numpy views: per request, torch's dispatch would cost more than the checks.
+        # The pair checks run on numpy views, through the ufuncs themselves: per request, torch's
+        # dispatch (or numpy's Python wrappers) would cost more than the checks.
         rows, experts = pair_rows.numpy().astype(np.int64), pair_experts.numpy().astype(np.int64)
         if num_pairs:
-            if rows.min() < 0 or rows.max() >= hidden.shape[0]:
-                raise RequestError(f"pair_rows must lie in [0, {hidden.shape[0]}), got [{rows.min()}, {rows.max()}]")
-            if experts.min() < self.start or experts.max() >= self.end:
-                raise RequestError(
-                    f"expert ids [{experts.min()}, {experts.max()}] are outside this worker's [{self.start}, {self.end})"
-                )
-            if np.unique(rows * self.ckpt.num_experts + experts).size != num_pairs:
+            low, high = np.minimum.reduce(rows), np.maximum.reduce(rows)
+            if low < 0 or high >= hidden.shape[0]:
+                raise RequestError(f"pair_rows must lie in [0, {hidden.shape[0]}), got [{low}, {high}]")
+            low, high = np.minimum.reduce(experts), np.maximum.reduce(experts)
+            if low < self.start or high >= self.end:
+                raise RequestError(f"expert ids [{low}, {high}] are outside this worker's [{self.start}, {self.end})")
+            keys = rows * self.ckpt.num_experts + experts
+            keys.sort()
+            if num_pairs > 1 and np.equal(keys[1:], keys[:-1]).any():
                 raise RequestError("a (row, expert) pair appears more than once")
         return ExpertBatch(
             layer=layer,

@@ -52,6 +52,7 @@ class ExpertHandler:
         self._compute = threading.Lock()
         self._ok = metrics.REQUESTS.labels(grpc.StatusCode.OK.name)
 
+    @torch.inference_mode()  # no autograd bookkeeping on any tensor operation of a request
     def forward(self, layer: int, hidden: torch.Tensor, pair_rows: torch.Tensor, pair_experts: torch.Tensor,
                 pair_weights: torch.Tensor, payload_bytes: int) -> tuple[torch.Tensor, int]:  # fmt: skip
         """(partial [T, H] float32, nanoseconds in the experts); raises Refused, counted either way."""
