@@ -59,23 +59,26 @@ def partition(topk_ids: torch.Tensor, topk_weights: torch.Tensor, owners: np.nda
     ids = topk_ids.reshape(-1).cpu().numpy().astype(np.int32, copy=False)  # [P = T*k]
     weights = topk_weights.reshape(-1).float().cpu().numpy()  # [P]
     order = np.argsort(owners[ids], kind="stable")  # pairs grouped by worker, token order kept in each
-    workers = owners[ids[order]]  # [P] ascending
+    sorted_ids = ids[order]
+    workers = owners[sorted_ids]  # [P] ascending
     tokens = order // k  # [P] token of each pair
-    new_worker = np.empty(len(order), dtype=bool)
-    new_worker[0], new_worker[1:] = True, workers[1:] != workers[:-1]
-    new_row = new_worker | np.concatenate(([True], tokens[1:] != tokens[:-1]))  # first pair of a (worker, token)
-    row_number = np.cumsum(new_row) - 1  # [P] global row count; minus each worker's first gives its row index
+    new_worker = np.empty(len(order), dtype=bool)  # first pair of a worker
+    new_worker[0] = True
+    np.not_equal(workers[1:], workers[:-1], out=new_worker[1:])
+    new_row = new_worker.copy()  # first pair of a (worker, token)
+    new_row[1:] |= tokens[1:] != tokens[:-1]
+    row_number = np.cumsum(new_row) - 1  # [P] global row count; less its worker's first, its row index
     starts = np.flatnonzero(new_worker)
+    row_starts = row_number[starts]
     pairs = np.empty((3, len(order)), dtype=np.int32)
-    pairs[0] = row_number - np.repeat(row_number[starts], np.diff(starts, append=len(order)))
-    pairs[1] = ids[order]
+    pairs[0] = row_number - row_starts[np.cumsum(new_worker) - 1]
+    pairs[1] = sorted_ids
     pairs[2] = weights[order].view(np.int32)
     rows = tokens[new_row]  # [sum of T_w] each worker's rows, back to back
-    row_starts = row_number[starts]
-    slices = []
-    for i, (start, row_start) in enumerate(zip(starts.tolist(), row_starts.tolist())):
-        end = starts[i + 1] if i + 1 < len(starts) else len(order)
-        row_end = row_starts[i + 1] if i + 1 < len(starts) else len(rows)
-        slices.append(WorkerSlice(int(workers[start]), torch.from_numpy(rows[row_start:row_end]),
-                                  torch.from_numpy(np.ascontiguousarray(pairs[:, start:end]))))  # fmt: skip
-    return DispatchPlan(num_tokens=num_tokens, slices=tuple(slices))
+    bounds, row_bounds = [*starts.tolist(), len(order)], [*row_starts.tolist(), len(rows)]
+    slices = tuple(
+        WorkerSlice(worker, torch.from_numpy(rows[row_bounds[i] : row_bounds[i + 1]]),
+                    torch.from_numpy(pairs[:, bounds[i] : bounds[i + 1]].copy()))  # fmt: skip
+        for i, worker in enumerate(workers[starts].tolist())
+    )
+    return DispatchPlan(num_tokens=num_tokens, slices=slices)
