@@ -87,7 +87,7 @@ class ExpertServicer:
                     continue
                 payload = bytearray(memoryview(message)[HEADER.size :])  # tensors need a writable buffer
                 reply = await loop.run_in_executor(self._compute, self.handler.handle, header, payload)
-            yield reply.header.pack() + bytes(reply.payload_bytes())
+            yield b"".join([reply.header.pack(), reply.payload_bytes()])  # one copy of the payload
 
     def rpc_handlers(self) -> tuple[grpc.GenericRpcHandler, ...]:
         """ExpertService as the .proto declares it (Forward's request parsed by Forward itself), and

@@ -104,7 +104,7 @@ class GrpcStreamChannel(Channel):
 
     def send_echo(self, payload: memoryview) -> int:
         request = self.next_request()
-        return self._submit(request, Header(Kind.ECHO, request, payload=len(payload)).pack() + bytes(payload))
+        return self._submit(request, b"".join([Header(Kind.ECHO, request, payload=len(payload)).pack(), payload]))
 
     def receive(self, request: int) -> Answer:
         try:
