@@ -13,8 +13,8 @@ One run, loopback only, every process started and stopped by the bench:
 2. End to end on the embedded tiny model (4 MoE layers): decode inter-token latency of one
    request at a time and output tokens/s of 16 concurrent streaming requests, stock vLLM against
    the cluster on each plane, same flags (compiled), and the cluster's cost per MoE layer. All
-   servers start at once and are measured in alternating rounds (latency: medians of five
-   rounds; throughput: the fastest of five).
+   servers start at once and are measured in alternating rounds (latency: medians of four
+   rounds; throughput: the fastest of four).
 
 Prints a table, writes JSON and a PNG next to it. Absolute times are this machine's; compare
 ratios from the same run.
@@ -138,7 +138,7 @@ class UnaryProtobuf:
             c.close()
 
 
-ROUNDS = 6  # each path's round trips come in rounds that alternate with the other paths
+ROUNDS = 4  # each path's round trips come in rounds that alternate with the other paths
 
 
 def measure_interleaved(clients: dict, data: dict, fanout: int, servers: dict, budget_s: float = 0.12,
@@ -241,7 +241,7 @@ def streams_rate(client, model: str) -> float:
     return 16 * DECODE_TOKENS / (time.perf_counter() - start)
 
 
-E2E_ROUNDS = 5
+E2E_ROUNDS = 4
 # vLLM's engine and model worker poll their shared-memory queues (sched_yield) for a second after
 # the last message before they block: the server measured before must be idle before the next.
 ENGINE_IDLE_S = 1.5
