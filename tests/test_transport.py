@@ -179,6 +179,26 @@ def test_auto_picks_shared_memory_here_and_falls_back_without_it(workers, infos)
         open_channel(0, workers.endpoints[0], pb.InfoResponse(), "tcp", 10)
 
 
+def stop(pid: int, timeout_s: float = 10) -> None:
+    """SIGSTOP, and wait until every thread has stopped. A process stops thread by thread: until
+    the thread the kernel picked runs, the others keep going, and a SCHED_BATCH worker's may
+    answer a frame sent meanwhile."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rpartition(")")[2].split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                pass
+        if states and all(state in "tT" for state in states):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} did not stop within {timeout_s} s")
+
+
 def memfd_mappings(pid: int) -> list[str]:
     return [ln for ln in Path(f"/proc/{pid}/maps").read_text().splitlines() if "memfd:hetero-moe" in ln]
 
@@ -199,7 +219,7 @@ def test_a_killed_worker_is_a_named_error_not_a_hang(model, plane, tmp_path):
         transport.take(ckpt.moe_layers[0], 0).wait()
         survivor, victim = (procs.procs[f"kill-{plane}-worker-{i}"].pid for i in range(2))
         assert bool(memfd_mappings(os.getpid())) == bool(memfd_mappings(survivor)) == (plane == "shm")
-        os.kill(victim, signal.SIGSTOP)
+        stop(victim)
         transport.send(ckpt.moe_layers[0], 0, x, plan)
         time.sleep(0.2)
         os.kill(victim, signal.SIGKILL)
@@ -258,7 +278,7 @@ def test_a_stopped_worker_costs_one_deadline(model, workers, infos, plane, tmp_p
         stopped_infos = [fetch_info(w, e, 10) for w, e in enumerate(stopped.endpoints)]
         transport = transport_for(stopped, stopped_infos, plane, timeout_s=1.0)
         x, plan = routing(ckpt, 8, seed=6)
-        os.kill(procs.procs[f"stop-{plane}-worker-0"].pid, signal.SIGSTOP)
+        stop(procs.procs[f"stop-{plane}-worker-0"].pid)
         transport.send(ckpt.moe_layers[0], 0, x, plan)
         start = time.monotonic()
         with pytest.raises(ExpertWorkerError, match="expert worker 0 .*: DEADLINE: no answer within 1 s"):
