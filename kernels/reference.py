@@ -58,7 +58,7 @@ def moe_experts_reference(
     pair_weights: [P] float32 router weight
     returns       [T, H] float32: out[t] = sum_p w_p * down(act(gate x_t) * up x_t)
     """
-    return _moe_sum(
+    return moe_sum(
         hidden, pair_rows, pair_experts, pair_weights, weights.hidden_size,
         lambda e: (weights.w13[e].float(), weights.w2[e].float()), activation,
     )
@@ -77,13 +77,22 @@ def moe_experts_w4a16_reference(
     Handles every scheme the loaders produce (asymmetric zeros, act-order g_idx).
     Same arguments and result as moe_experts_reference.
     """
-    return _moe_sum(
+    return moe_sum(
         hidden, pair_rows, pair_experts, pair_weights, weights.hidden_size,
         lambda e: (weights.w13.dequantize(e), weights.w2.dequantize(e)), activation,
     )
 
 
-def _moe_sum(
+def pairs_by_expert(pair_experts: torch.Tensor) -> list[tuple[int, list[int]]]:
+    """[(expert, its pair indices in order)] by ascending expert; one host sync (decode requests
+    hold a few pairs)."""
+    by_expert: dict[int, list[int]] = {}
+    for p, e in enumerate(pair_experts.tolist()):
+        by_expert.setdefault(e, []).append(p)
+    return sorted(by_expert.items())
+
+
+def moe_sum(
     hidden: torch.Tensor,
     pair_rows: torch.Tensor,
     pair_experts: torch.Tensor,
@@ -92,13 +101,11 @@ def _moe_sum(
     expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     activation: str,
 ) -> torch.Tensor:
+    """The float32 loop of every reference path; expert_weights(e) -> (w13 [2I, H], w2 [H, I]) float32."""
     act = ACTIVATIONS[activation]
     x = hidden.float()
     out = torch.zeros(hidden.shape[0], hidden_size, dtype=torch.float32, device=hidden.device)
-    by_expert: dict[int, list[int]] = {}
-    for p, e in enumerate(pair_experts.tolist()):  # one host sync; decode batches hold a few pairs
-        by_expert.setdefault(e, []).append(p)
-    for e, pairs in sorted(by_expert.items()):
+    for e, pairs in pairs_by_expert(pair_experts):
         sel = torch.tensor(pairs, device=hidden.device)
         rows = pair_rows[sel]
         w13, w2 = expert_weights(e)  # [2I, H], [H, I] float32
