@@ -270,8 +270,8 @@ class ReceiveBuffer:
         return memoryview(self.data)[:size]
 
 
-def recv_frame(sock: socket.socket, buffer: ReceiveBuffer) -> tuple[Header, memoryview] | None:
-    """The next frame, its payload read into `buffer`; None at end of stream.
+def recv_header(sock: socket.socket) -> Header | None:
+    """The next frame's header, checked against its shapes; None at end of stream.
 
     Raises FrameError (or codec.CodecError) on a header that is not a valid frame: after that the
     stream cannot be trusted and the caller closes it.
@@ -281,6 +281,14 @@ def recv_frame(sock: socket.socket, buffer: ReceiveBuffer) -> tuple[Header, memo
         return None
     header = Header.unpack(head)
     header.check_payload()
+    return header
+
+
+def recv_frame(sock: socket.socket, buffer: ReceiveBuffer) -> tuple[Header, memoryview] | None:
+    """The next frame, its payload read into `buffer`; None at end of stream (see recv_header)."""
+    header = recv_header(sock)
+    if header is None:
+        return None
     payload = buffer.view(header.payload)
     if header.payload and not recv_into_exactly(sock, payload):
         raise ConnectionResetError("stream ended before the frame's payload")

@@ -8,7 +8,7 @@ import torch
 from attention_server.partition import WorkerSlice
 from attention_server.transport.base import Answer, Cause, ExpertWorkerError, OrderedChannel, kernel_deadlines
 from protos import codec, frames
-from protos.frames import HEADER, FrameError, Header, Kind
+from protos.frames import FrameError, Header, Kind
 
 
 class TcpChannel(OrderedChannel):
@@ -61,11 +61,9 @@ class TcpChannel(OrderedChannel):
         if sock is None:
             raise self.error(Cause.UNAVAILABLE, "connection closed")
         try:
-            head = bytearray(HEADER.size)
-            if not frames.recv_into_exactly(sock, memoryview(head)):
+            header = frames.recv_header(sock)
+            if header is None:
                 raise self.lost("the worker closed the connection")
-            header = Header.unpack(head)
-            header.check_payload()
             buffer = self.buffers.setdefault(self.sent.pop(header.request, 0), frames.ReceiveBuffer())
             payload = buffer.view(header.payload)
             if header.payload and not frames.recv_into_exactly(sock, payload):
