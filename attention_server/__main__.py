@@ -14,7 +14,8 @@ from attention_server.config import (
     DATA_PLANES, DEFAULT_REQUEST_TIMEOUT_S, AttentionConfig, share_metrics_across_processes,
 )  # fmt: skip
 from attention_server.handshake import WorkerMismatchError, check_workers
-from attention_server.transport.factory import PlaneUnavailable, open_channel
+from attention_server.transport import factory
+from attention_server.transport.factory import PlaneUnavailable
 from protos.checkpoint import CheckpointError, read_checkpoint
 
 logger = logging.getLogger("attention_server")
@@ -57,10 +58,8 @@ def main(argv: list[str] | None = None) -> None:
             cfg = AttentionConfig.from_flags(ours.expert_endpoints, ours.expert_timeout, ours.data_plane)
             ckpt = read_checkpoint(ours.model)
             infos = check_workers(cfg.expert_endpoints, ckpt, ours.worker_ready_timeout)
-            for worker, (endpoint, info) in enumerate(zip(cfg.expert_endpoints, infos)):
-                channel = open_channel(worker, endpoint, info, cfg.data_plane, cfg.request_timeout_s)
-                logger.info("worker %d at %s: data plane %s", worker, endpoint, channel.plane)
-                channel.close()
+            # Refuse now, not in vLLM's engine, when a worker lacks the plane asked for; logs each choice.
+            factory.connect(cfg.expert_endpoints, infos, cfg.data_plane, cfg.request_timeout_s).close()
         except (ValueError, CheckpointError, WorkerMismatchError, PlaneUnavailable) as err:
             logger.error("refusing to start: %s", err)
             raise SystemExit(2) from None

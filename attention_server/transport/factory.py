@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from attention_server.config import DATA_PLANES as PLANES
 from attention_server.transport.base import Channel, ExpertTransport, ExpertWorkerError
 from attention_server.transport.grpc_stream import GrpcStreamChannel
 from attention_server.transport.shm import ShmChannel
@@ -16,8 +17,6 @@ from protos import expert_pb2 as pb
 from protos import frames
 
 logger = logging.getLogger(__name__)
-
-from attention_server.config import DATA_PLANES as PLANES
 
 
 class PlaneUnavailable(ValueError):
