@@ -11,7 +11,7 @@ import logging
 import sys
 
 from attention_server.config import (
-    DATA_PLANES, DEFAULT_REQUEST_TIMEOUT_S, AttentionConfig, share_metrics_across_processes,
+    DATA_PLANES, DEFAULT_REQUEST_TIMEOUT_S, MAX_MICROBATCHES, AttentionConfig, share_metrics_across_processes,
 )  # fmt: skip
 from attention_server.handshake import WorkerMismatchError, check_workers
 from attention_server.transport import factory
@@ -29,8 +29,26 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--worker-ready-timeout", type=float, default=120.0, help="seconds to wait for each worker at start")
     p.add_argument("--data-plane", choices=DATA_PLANES, default="auto",
                    help="how routed rows travel: auto (shared memory on this host, TCP across hosts), shm, tcp, grpc")
+    p.add_argument("--pingpong-microbatches", type=int, default=1, metavar="M",
+                   help=f"run steps of at least M requests as M micro-batches (1 to {MAX_MICROBATCHES}) whose attention "
+                        "overlaps the others' experts; 1: off")
     ours, vllm_args = p.parse_known_args(argv)
+    if ours.pingpong_microbatches != 1 and not ours.expert_endpoints:
+        p.error("--pingpong-microbatches needs --expert-endpoints (without them this is stock vLLM)")
     return ours, ["--model", ours.model, *vllm_args]
+
+
+def pingpong_worker_args(microbatches: int, vllm_argv: list[str]) -> list[str]:
+    """vLLM flags that give its engine the ping-pong worker (a CPU worker; see pingpong.py)."""
+    if microbatches == 1:
+        return []
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise ValueError("--pingpong-microbatches above 1 runs on vLLM's CPU platform only (for now)")
+    if any(a == "--worker-cls" or a.startswith("--worker-cls=") for a in vllm_argv):
+        raise ValueError("--pingpong-microbatches above 1 brings its own --worker-cls; drop yours")
+    return ["--worker-cls", "attention_server.pingpong.PingPongCPUWorker"]
 
 
 def serve_vllm(vllm_argv: list[str]) -> None:
@@ -55,7 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     ours, vllm_argv = parse_args(sys.argv[1:] if argv is None else argv)
     if ours.expert_endpoints:
         try:
-            cfg = AttentionConfig.from_flags(ours.expert_endpoints, ours.expert_timeout, ours.data_plane)
+            cfg = AttentionConfig.from_flags(ours.expert_endpoints, ours.expert_timeout, ours.data_plane,
+                                             ours.pingpong_microbatches)  # fmt: skip
+            vllm_argv += pingpong_worker_args(cfg.pingpong_microbatches, vllm_argv)
             ckpt = read_checkpoint(ours.model)
             infos = check_workers(cfg.expert_endpoints, ckpt, ours.worker_ready_timeout)
             # Refuse now, not in vLLM's engine, when a worker lacks the plane asked for; logs each choice.

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 ENDPOINTS_ENV = "HETERO_MOE_EXPERT_ENDPOINTS"
 TIMEOUT_ENV = "HETERO_MOE_REQUEST_TIMEOUT_S"
 DATA_PLANE_ENV = "HETERO_MOE_DATA_PLANE"
+PINGPONG_ENV = "HETERO_MOE_PINGPONG_MICROBATCHES"
+MAX_MICROBATCHES = 4
 DATA_PLANES = ("auto", "shm", "tcp", "grpc")
 DEFAULT_REQUEST_TIMEOUT_S = 60.0
 PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -33,6 +35,7 @@ class AttentionConfig:
     expert_endpoints: tuple[str, ...]
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     data_plane: str = "auto"  # auto: shared memory on this host, TCP across hosts, else the gRPC stream
+    pingpong_microbatches: int = 1  # m: steps of at least m requests run as m micro-batches in ping-pong
 
     def __post_init__(self) -> None:
         if not self.expert_endpoints:
@@ -45,10 +48,14 @@ class AttentionConfig:
             raise ValueError(f"request timeout must be > 0 s, got {self.request_timeout_s}")
         if self.data_plane not in DATA_PLANES:
             raise ValueError(f"data plane {self.data_plane!r} is not one of {DATA_PLANES}")
+        if not 1 <= self.pingpong_microbatches <= MAX_MICROBATCHES:
+            raise ValueError(f"ping-pong micro-batches must be 1 to {MAX_MICROBATCHES}, got {self.pingpong_microbatches}")
 
     @classmethod
-    def from_flags(cls, endpoints: str, request_timeout_s: float, data_plane: str = "auto") -> AttentionConfig:
-        return cls(tuple(e.strip() for e in endpoints.split(",") if e.strip()), request_timeout_s, data_plane)
+    def from_flags(cls, endpoints: str, request_timeout_s: float, data_plane: str = "auto",
+                   pingpong_microbatches: int = 1) -> AttentionConfig:  # fmt: skip
+        return cls(tuple(e.strip() for e in endpoints.split(",") if e.strip()), request_timeout_s, data_plane,
+                   pingpong_microbatches)  # fmt: skip
 
     @classmethod
     def from_env(cls) -> AttentionConfig | None:
@@ -57,14 +64,16 @@ class AttentionConfig:
         if not endpoints:
             return None
         return cls.from_flags(
-            endpoints, float(os.environ.get(TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT_S)), os.environ.get(DATA_PLANE_ENV, "auto")
-        )
+            endpoints, float(os.environ.get(TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT_S)), os.environ.get(DATA_PLANE_ENV, "auto"),
+            int(os.environ.get(PINGPONG_ENV, 1)),
+        )  # fmt: skip
 
     def publish(self) -> None:
         """Export to the environment inherited by vLLM's processes."""
         os.environ[ENDPOINTS_ENV] = ",".join(self.expert_endpoints)
         os.environ[TIMEOUT_ENV] = repr(self.request_timeout_s)
         os.environ[DATA_PLANE_ENV] = self.data_plane
+        os.environ[PINGPONG_ENV] = str(self.pingpong_microbatches)
 
 
 def share_metrics_across_processes() -> tempfile.TemporaryDirectory | None:

@@ -14,6 +14,9 @@ DISPATCH_MESSAGES = Counter("hetero_moe_dispatch_messages", "Forward messages se
 DISPATCH_ROWS = Counter("hetero_moe_dispatch_rows", "Token rows sent to each expert worker", ["worker"])
 DISPATCH_PAIRS = Counter("hetero_moe_dispatch_pairs", "(token, expert) pairs sent to each expert worker", ["worker"])
 ROUTED_TOKENS = Counter("hetero_moe_route_tokens", "Tokens routed to remote experts, per MoE layer", ["layer"])
+PINGPONG_STEPS = Counter(
+    "hetero_moe_pingpong_steps", "Model steps by the number of micro-batches they ran in (1: not split)", ["microbatches"]
+)
 TRANSPORT_PLANE = Gauge(
     "hetero_moe_transport_plane", "1 for the data plane that carries each worker's frames", ["worker", "plane"],
     multiprocess_mode="livemax",

@@ -11,7 +11,9 @@ One MoE layer, for a micro-batch of T tokens (H hidden, k experts per token):
     transport.send ─▶ a frame to each worker with pairs (none to idle ones) ─▶ Pending
          │            over its data plane: shared memory,     │  workers: W4A16/bf16 experts,
          │            TCP or a gRPC stream (transport/)       │  float32 sum over their experts
-    shared experts run here meanwhile (Qwen2-MoE)             ▼
+    shared experts run here meanwhile (Qwen2-MoE)             │
+    dbo_yield: under ping-pong the next micro-batch's         │
+         │     attention runs meanwhile (pingpong.py)         ▼
     Pending.wait() ◀──────────────────────────── [T_w, H] float32 partials
          │
          ▼
@@ -44,7 +46,6 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.utils.torch_utils import direct_register_custom_op
-from vllm.v1.worker.ubatching import dbo_current_ubatch_id
 
 from attention_server import metrics
 from attention_server.combine import combine
@@ -52,6 +53,7 @@ from attention_server.config import AttentionConfig
 from attention_server.handshake import fetch_info
 from attention_server.partition import partition
 from attention_server.transport import factory
+from attention_server.vllm_internals import dbo_current_ubatch_id, dbo_yield
 from protos.placement import Placement
 
 logger = logging.getLogger(__name__)
@@ -154,6 +156,8 @@ class RemoteRoutedExperts(RoutedExperts):
         self.pool.counts.add(self.layer_index, plan.num_tokens, plan.slices)
 
     def receive(self, x: torch.Tensor) -> torch.Tensor:
+        # Under ping-pong the next micro-batch runs its attention while this one's rows are out.
+        dbo_yield()
         pending = self.pool.transport.take(self.layer_index, dbo_current_ubatch_id())
         out = combine(pending.plan, pending.wait(), x.shape[1], x.dtype).to(x.device)
         if self.layer_index == self.pool.last_layer:

@@ -50,6 +50,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     up.add_argument("--kernel-backend", default=None, help="force a worker kernel backend")
     up.add_argument("--data-plane", choices=DATA_PLANES, default="auto",
                     help="how rows travel to the workers: auto (shared memory here), shm, tcp or grpc")
+    up.add_argument("--pingpong-microbatches", type=int, default=1, metavar="M",
+                    help="steps of at least M requests run as M micro-batches in ping-pong (1 to 4); 1: off")
     up.add_argument("--ready-timeout", type=float, default=900.0)
     up.add_argument("--detach", action="store_true", help="return once serving; stop with `down`")
     up.add_argument("--run-dir", type=Path, default=default_run_dir(), help="logs and the detached cluster's state")
@@ -84,6 +86,7 @@ def up(a: argparse.Namespace) -> int:
         worker_threads=a.worker_threads,
         worker_metrics_base_port=a.worker_metrics_base_port,
         data_plane=a.data_plane,
+        pingpong_microbatches=a.pingpong_microbatches,
         vllm_args=tuple(vllm_args),
         worker_args=worker_args(a),
     )

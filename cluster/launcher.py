@@ -37,6 +37,7 @@ class ClusterSpec:
     worker_threads: int
     worker_metrics_base_port: int
     data_plane: str = "auto"  # how rows travel to the workers (attention_server --data-plane)
+    pingpong_microbatches: int = 1  # attention_server --pingpong-microbatches
     vllm_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()  # e.g. --weight-format w4a16 --kernel-backend cpu
 
@@ -81,6 +82,7 @@ class ClusterSpec:
             "--model", str(self.model),
             "--expert-endpoints", ",".join(self.endpoints),
             "--data-plane", self.data_plane,
+            "--pingpong-microbatches", str(self.pingpong_microbatches),
             "--host", self.host,
             "--port", str(self.http_port),
             "--served-model-name", self.served_model_name,

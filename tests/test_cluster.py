@@ -26,6 +26,11 @@ top-2 margin is within what that difference can move a margin (`TOLERANCES`, fix
 
 The W4A16 cases serve a compressed-tensors and a GPTQ checkpoint whose experts the workers run
 with the CPU int4 kernel, against stock vLLM on the dequantized weights.
+
+The ping-pong cases run steps of at least m requests as m micro-batches (attention_server/pingpong.py),
+on all three architectures, compiled and eager, and are held to the same float32 tolerance: a
+micro-batch's rows meet the same weights in smaller GEMMs, which may round differently, nothing
+more. Each checks that its steps did run split.
 """
 from __future__ import annotations
 
@@ -48,13 +53,14 @@ from cluster.launcher import wait_http_ready
 from protos.checkpoint import read_checkpoint
 from tests.support import (
     HOST, MAX_TOKENS, PROMPTS, VLLM_CPU_ARGS, ClusterCounters, Generation, assert_workers_did_the_work, free_port_run, free_ports,
-    generate, python_module, token_id,
+    generate, python_module, token_id, total,
 )  # fmt: skip
 from tiny_models.w4a16 import quantize_experts
 
 pytestmark = pytest.mark.vllm
 
 NUM_WORKERS = 8
+PINGPONG_STEPS = "hetero_moe_pingpong_steps_total"
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class Case:
     vllm_args: tuple[str, ...] = ()  # compiled mode is vLLM's default and `make up`'s
     w4a16: str | None = None  # the cluster serves this W4A16 format; stock serves it dequantized
     data_plane: str | None = None  # None: make up's default (auto), which picks shared memory on one host
+    pingpong: int = 1  # --pingpong-microbatches
 
     @property
     def expected_plane(self) -> str:
@@ -98,6 +105,9 @@ CASES = {
     "mixtral-fp32": Case("mixtral", dtype="float32", vllm_args=("--enforce-eager",)),
     "qwen3_moe-compressed-tensors": Case("qwen3_moe", w4a16="compressed-tensors"),
     "qwen3_moe-gptq": Case("qwen3_moe", w4a16="gptq", vllm_args=("--enforce-eager",)),
+    "qwen3_moe-fp32-pingpong2": Case("qwen3_moe", dtype="float32", pingpong=2),
+    "qwen2_moe-fp32-pingpong4": Case("qwen2_moe", dtype="float32", pingpong=4),
+    "mixtral-fp32-pingpong3": Case("mixtral", dtype="float32", vllm_args=("--enforce-eager",), pingpong=3),
 }
 
 
@@ -117,8 +127,15 @@ class Cluster:
 
     def assert_workers_did_the_work(self, before: ClusterCounters) -> str:
         ckpt = read_checkpoint(self.model)
-        return assert_workers_did_the_work(before, self.counters(), ckpt.top_k, ckpt.moe_layers,
+        after = self.counters()
+        work = assert_workers_did_the_work(before, after, ckpt.top_k, ckpt.moe_layers,
                                            self.case.kernel_backend, self.case.expected_plane)  # fmt: skip
+        if self.case.pingpong == 1:
+            return work
+        m = str(self.case.pingpong)
+        split = total(after.attention, PINGPONG_STEPS, microbatches=m) - total(before.attention, PINGPONG_STEPS, microbatches=m)
+        assert split > 0, f"no step ran as {m} micro-batches"
+        return f"{work}; {split:.0f} steps in {m} micro-batches"
 
 
 def _pgid(pid: int) -> int | None:
@@ -177,6 +194,7 @@ def cluster(request, model_dir, tmp_path_factory) -> Cluster:
             python_module("cluster", "up", "--model", str(cluster_model), "--host", HOST, "--port", str(http_cluster),
                           "--worker-base-port", str(worker_base), "--worker-metrics-base-port", str(metrics_base),
                           *(("--data-plane", case.data_plane) if case.data_plane else ()), "--run-dir", str(logs / "run"),
+                          "--pingpong-microbatches", str(case.pingpong),
                           "--", *vllm_args),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
@@ -276,6 +294,45 @@ def test_openai_client_endpoints(cluster):
     )
     assert again.choices[0].message.content == chat.choices[0].message.content, "greedy is repeatable"
     cluster.assert_workers_did_the_work(before)
+
+
+def test_requests_of_different_lengths_arriving_mid_batch(cluster, capsys):
+    """Ping-pong under load: the prompts as separate requests, each asking for a different number of
+    tokens, arriving while earlier ones decode, so the batch and its cut into micro-batches change
+    from step to step. Every answer is stock's, within the tolerance of the parity test."""
+    if cluster.case.pingpong == 1:
+        pytest.skip("a ping-pong case")
+    tolerance = TOLERANCES[cluster.case.dtype]
+    client = OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    model_id = client.models.list().data[0].id
+    lengths = [MAX_TOKENS - 3 * i for i in range(len(PROMPTS))]
+    answers: dict[int, object] = {}
+
+    def ask(i: int) -> None:
+        time.sleep(0.15 * i)  # the earlier requests are decoding by now
+        answers[i] = client.completions.create(
+            model=model_id, prompt=PROMPTS[i], max_tokens=lengths[i], temperature=0, logprobs=2,
+            extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+        )  # fmt: skip
+
+    before = cluster.counters()
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert sorted(answers) == list(range(len(PROMPTS))), "a request failed or hung"
+    work = cluster.assert_workers_did_the_work(before)
+    report = []
+    for i, s in enumerate(cluster.stock):
+        tokens = [token_id(t) for t in answers[i].choices[0].logprobs.tokens]
+        assert len(tokens) == lengths[i]
+        diverged = next((j for j, (a, b) in enumerate(zip(s.tokens, tokens)) if a != b), None)
+        report.append(f"{lengths[i]} tokens: " + ("identical" if diverged is None else
+                      f"diverges at {diverged}, stock margin {s.margins[diverged]:.4f}"))  # fmt: skip
+        assert diverged is None or s.margins[diverged] <= tolerance.margin, f"{cluster.name}: {report}"
+    with capsys.disabled():
+        print(f"\n{cluster.name}, requests arriving mid-batch: {'; '.join(report)}; {work}")
 
 
 def _log_time(line: str) -> float:
