@@ -25,9 +25,9 @@ NUM_WORKERS = 8
 @pytest.mark.parametrize("pingpong", [1, 2])
 def test_a_killed_worker_fails_the_requests_in_flight_naming_it(model_dir, tmp_path, processes, pingpong):
     model = model_dir("qwen3_moe")
-    workers = start_workers(processes, model, NUM_WORKERS, tag="dead")
+    workers = start_workers(processes, model, NUM_WORKERS, tag=f"dead-m{pingpong}")
     (http,) = free_ports(1)
-    attention = processes.start("dead-attention", python_module(
+    attention = processes.start(f"dead-m{pingpong}-attention", python_module(
         "attention_server", "--model", str(model), "--expert-endpoints", ",".join(workers.endpoints),
         "--pingpong-microbatches", str(pingpong), "--host", HOST, "--port", str(http), *VLLM_CPU_ARGS,
         "--enforce-eager"))  # fmt: skip
@@ -53,12 +53,13 @@ def test_a_killed_worker_fails_the_requests_in_flight_naming_it(model_dir, tmp_p
     deadline = time.monotonic() + 60
     while total(scrape(f"{base_url}/metrics"), "vllm:num_requests_running") < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    os.killpg(processes.procs["dead-worker-3"].pid, signal.SIGKILL)
-    processes.procs["dead-worker-3"].wait()
+    victim = processes.procs[f"dead-m{pingpong}-worker-3"]
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
     request.join(timeout=120)
     assert not request.is_alive(), "the request hung"
     assert [type(f) for f in failures] == [openai.InternalServerError]
-    log = processes.log("dead-attention")
+    log = processes.log(f"dead-m{pingpong}-attention")
     assert f"ExpertWorkerError: expert worker 3 at {workers.endpoints[3]}: UNAVAILABLE" in log
     if pingpong > 1:  # raised in a micro-batch's thread and reported by the step
         assert re.search(r'pingpong\.py", line \d+, in run\n.*raise failed\[0\]\.error', log)
