@@ -7,7 +7,7 @@ PROTOS_VENV := .venv-protos
 # protobuf runtime we run on (see DESIGN.md §5); newer runtimes accept it.
 GRPCIO_TOOLS := grpcio-tools==1.66.2
 
-.PHONY: venv up down test protos model hipcc bench-kernel bench-memory bench-transport clean
+.PHONY: venv up down test protos model hipcc bench-kernel bench-memory bench-transport bench-pingpong clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,9 @@ bench-kernel: venv
 
 bench-transport: venv $(VENV)/.bench
 	$(PY) -m benchmarks.bench_transport --out results/bench_transport.json $(ARGS)
+
+bench-pingpong: venv $(VENV)/.bench
+	$(PY) -m benchmarks.bench_pingpong --out results/bench_pingpong.json $(ARGS)
 
 bench-memory: venv
 	$(PY) -m benchmarks.bench_memory --out results/memory.json $(ARGS)

@@ -39,15 +39,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def pingpong_worker_args(microbatches: int, vllm_argv: list[str]) -> list[str]:
-    """vLLM flags that give its engine the ping-pong worker (a CPU worker; see pingpong.py)."""
-    if microbatches == 1:
-        return []
+    """vLLM flags that give its engine the plugin's CPU worker (pingpong.py: ping-pong for m > 1,
+    step timings for any m)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        raise ValueError("--pingpong-microbatches above 1 runs on vLLM's CPU platform only (for now)")
+        if microbatches > 1:
+            raise ValueError("--pingpong-microbatches above 1 runs on vLLM's CPU platform only (for now)")
+        return []
     if any(a == "--worker-cls" or a.startswith("--worker-cls=") for a in vllm_argv):
-        raise ValueError("--pingpong-microbatches above 1 brings its own --worker-cls; drop yours")
+        raise ValueError("the plugin brings its own --worker-cls (attention_server.pingpong); drop yours")
     return ["--worker-cls", "attention_server.pingpong.PingPongCPUWorker"]
 
 

@@ -8,12 +8,32 @@ when it runs several API servers), and these series appear on vLLM's own
 """
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Gauge, Histogram
 
 DISPATCH_MESSAGES = Counter("hetero_moe_dispatch_messages", "Forward messages sent to each expert worker", ["worker"])
 DISPATCH_ROWS = Counter("hetero_moe_dispatch_rows", "Token rows sent to each expert worker", ["worker"])
 DISPATCH_PAIRS = Counter("hetero_moe_dispatch_pairs", "(token, expert) pairs sent to each expert worker", ["worker"])
 ROUTED_TOKENS = Counter("hetero_moe_route_tokens", "Tokens routed to remote experts, per MoE layer", ["layer"])
+# From 50 µs: a MoE layer of the tiny model takes well under a millisecond.
+_STEP_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+STEP_FORWARD = Histogram("hetero_moe_step_forward_seconds", "One step's model forward on the attention node",
+                         buckets=_STEP_BUCKETS)  # fmt: skip
+STEP_EXPERT_WAIT = Histogram(
+    "hetero_moe_step_expert_wait_seconds", "Time in a step's forward blocked waiting for the expert workers",
+    buckets=_STEP_BUCKETS,
+)
+STEP_COMBINE = Histogram("hetero_moe_step_combine_seconds", "Time in a step's forward combining the workers' partials",
+                         buckets=_STEP_BUCKETS)  # fmt: skip
+STEP_ATTENTION = Histogram(
+    "hetero_moe_step_attention_seconds",
+    "The rest of a step's forward: attention, routers, dispatch and shared experts", buckets=_STEP_BUCKETS,
+)
+STEP_OVERLAP = Histogram(
+    "hetero_moe_step_overlap_ratio", "Share of a step's forward not blocked on the experts (1 - wait / forward)",
+    buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
+)
 PINGPONG_STEPS = Counter(
     "hetero_moe_pingpong_steps", "Model steps by the number of micro-batches they ran in (1: not split)", ["microbatches"]
 )
@@ -21,6 +41,22 @@ TRANSPORT_PLANE = Gauge(
     "hetero_moe_transport_plane", "1 for the data plane that carries each worker's frames", ["worker", "plane"],
     multiprocess_mode="livemax",
 )
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """What the MoE layers of one step spent, added up over its layers and micro-batches."""
+
+    expert_wait_s: float = 0.0
+    combine_s: float = 0.0
+
+    def publish(self, forward_s: float) -> None:
+        STEP_FORWARD.observe(forward_s)
+        STEP_EXPERT_WAIT.observe(self.expert_wait_s)
+        STEP_COMBINE.observe(self.combine_s)
+        STEP_ATTENTION.observe(max(0.0, forward_s - self.expert_wait_s - self.combine_s))
+        STEP_OVERLAP.observe(1.0 - self.expert_wait_s / forward_s if forward_s > 0 else 1.0)
+        self.expert_wait_s = self.combine_s = 0.0
 
 
 class DispatchCounts:

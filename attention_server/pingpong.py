@@ -12,11 +12,12 @@ yield does nothing.
 
 Built from vLLM's own micro-batching (its GPU dual-batch overlap), which vLLM switches off on CPU;
 every private name used is in attention_server/vllm_internals.py. PingPongCPUWorker (vLLM's
-`--worker-cls`) builds PingPongCPUModelRunner and asks for m attention-metadata builders
-(`ubatch_size = m`) before the KV cache is made. Per step the runner decides whether to split
-(`_determine_batch_execution_and_padding`); vLLM's execute_model then cuts the batch into m
-token-balanced slices and builds each slice's attention metadata, as for DBO; the runner's
-`_model_forward` runs the slices.
+`--worker-cls` whenever the plugin is on, on CPU) builds PingPongCPUModelRunner and, for m > 1,
+asks for m attention-metadata builders (`ubatch_size = m`) before the KV cache is made. Per step
+the runner decides whether to split (`_determine_batch_execution_and_padding`); vLLM's
+execute_model then cuts the batch into m token-balanced slices and builds each slice's attention
+metadata, as for DBO; the runner's `_model_forward` runs the slices, and times every step's
+forward for the attention node's metrics (hetero_moe_step_*), split or not.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +34,7 @@ from vllm.forward_context import override_forward_context
 
 from attention_server import metrics
 from attention_server.config import AttentionConfig
+from attention_server.routed_experts import step_times
 from attention_server.vllm_internals import (
     CPUModelRunner, CPUWorker, UBatchContext, cpu_worker, create_forward_context, current_stream, get_forward_context,
     make_ubatch_contexts,
@@ -114,9 +117,10 @@ class PingPongCPUModelRunner(CPUModelRunner):
 
     def __init__(self, vllm_config, device: torch.device):
         super().__init__(vllm_config, device)
-        self.microbatches = self.parallel_config.ubatch_size
+        self.microbatches = max(1, self.parallel_config.ubatch_size)
         self._threads: MicroBatchThreads | None = None
         self._in_step = False  # inside execute_model; vLLM's dummy runs are never split
+        self._times: metrics.StepTimes | None = None  # found once the model is loaded
 
     def execute_model(self, *args, **kwargs):
         self._in_step = True
@@ -131,15 +135,24 @@ class PingPongCPUModelRunner(CPUModelRunner):
         )
         if self._in_step:
             # allow_microbatching is vLLM's own veto (a prefix-cache reader split from its writer).
-            split = kwargs.get("allow_microbatching", True) and num_reqs >= self.microbatches
+            split = self.microbatches > 1 and kwargs.get("allow_microbatching", True) and num_reqs >= self.microbatches
             metrics.PINGPONG_STEPS.labels(str(self.microbatches if split else 1)).inc()
         return mode, descriptor, split, across_dp, stats
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
                        **model_kwargs):  # fmt: skip
+        if self._times is None:
+            self._times = step_times(self.vllm_config) or metrics.StepTimes()
+        start = time.perf_counter()
         step = get_forward_context()
         if step.ubatch_slices is None:
-            return super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs)
+            out = super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs)
+        else:
+            out = self._pingpong(step, input_ids, positions, intermediate_tensors, inputs_embeds, model_kwargs)
+        self._times.publish(time.perf_counter() - start)
+        return out
+
+    def _pingpong(self, step, input_ids, positions, intermediate_tensors, inputs_embeds, model_kwargs) -> torch.Tensor:
         # What vLLM's own micro-batching splits (token ids and positions) is all these models take.
         assert intermediate_tensors is None and inputs_embeds is None and not model_kwargs, "ping-pong splits token ids only"
         slices = step.ubatch_slices
@@ -187,11 +200,12 @@ class PingPongCPUWorker(CPUWorker):
 
     def init_device(self) -> None:
         cfg = AttentionConfig.from_env()
-        assert cfg is not None and cfg.pingpong_microbatches > 1, "the ping-pong worker runs only with m > 1"
-        # vLLM refuses micro-batching without DeepEP/NIXL when it builds the config, so m is set
-        # here, after that check and before the KV cache makes one metadata builder per micro-batch.
-        self.parallel_config.ubatch_size = cfg.pingpong_microbatches
+        assert cfg is not None, "the ping-pong worker runs with the plugin on"
+        if cfg.pingpong_microbatches > 1:
+            # vLLM refuses micro-batching without DeepEP/NIXL when it builds the config, so m is set here,
+            # after that check and before the KV cache makes one metadata builder per micro-batch.
+            self.parallel_config.ubatch_size = cfg.pingpong_microbatches
+            logger.info("hetero-moe: ping-pong with %d micro-batches on steps of at least that many requests",
+                        cfg.pingpong_microbatches)  # fmt: skip
         with _builds_runner(PingPongCPUModelRunner):
             super().init_device()
-        logger.info("hetero-moe: ping-pong with %d micro-batches on steps of at least that many requests",
-                    cfg.pingpong_microbatches)  # fmt: skip

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Iterable
 
 import torch
@@ -75,6 +76,7 @@ class ExpertPool:
         for channel in self.transport.channels:
             metrics.TRANSPORT_PLANE.labels(str(channel.worker), channel.plane).set(1)
         self.counts = metrics.DispatchCounts(len(cfg.expert_endpoints))
+        self.times = metrics.StepTimes()  # published per step by the model runner (pingpong.py)
         self.last_layer = -1  # the step's last MoE layer publishes its counts
 
 
@@ -159,10 +161,23 @@ class RemoteRoutedExperts(RoutedExperts):
         # Under ping-pong the next micro-batch runs its attention while this one's rows are out.
         dbo_yield()
         pending = self.pool.transport.take(self.layer_index, dbo_current_ubatch_id())
-        out = combine(pending.plan, pending.wait(), x.shape[1], x.dtype).to(x.device)
+        start = time.perf_counter()
+        partials = pending.wait()
+        waited = time.perf_counter()
+        out = combine(pending.plan, partials, x.shape[1], x.dtype).to(x.device)
+        self.pool.times.expert_wait_s += waited - start
+        self.pool.times.combine_s += time.perf_counter() - waited
         if self.layer_index == self.pool.last_layer:
             self.pool.counts.publish()
         return out
+
+
+def step_times(vllm_config) -> metrics.StepTimes | None:
+    """The step timings of this process's remote experts, None when the model has none."""
+    for layer in vllm_config.compilation_config.static_forward_context.values():
+        if isinstance(layer, RemoteRoutedExperts):
+            return layer.pool.times
+    return None
 
 
 def _layer(op_key: str) -> RemoteRoutedExperts:

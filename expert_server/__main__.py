@@ -21,6 +21,7 @@ from expert_server.config import WorkerConfig
 from expert_server.experts import LocalExperts
 from expert_server.servicer import ExpertServicer
 from expert_server.transport.handler import ExpertHandler
+from expert_server.transport.base import ReplyDelayConfig
 from expert_server.transport.shm import ShmPlane
 from expert_server.transport.tcp import TcpPlane
 from expert_server.weights import load_shard
@@ -46,7 +47,13 @@ async def serve(cfg: WorkerConfig) -> None:
     start, end = Placement(ckpt.num_experts, cfg.num_workers).expert_range(cfg.worker_index)
     device = torch.device(cfg.device)
     shard = load_shard(ckpt, start, end, device, cfg.weight_format, cfg.kernel_backend, cfg.group_size)
-    handler = ExpertHandler(LocalExperts(ckpt, start, end, shard, device))
+    delay = ReplyDelayConfig(cfg.bench_reply_delay_ms / 1e3, cfg.bench_reply_delay_us_per_row / 1e6)
+    handler = ExpertHandler(LocalExperts(ckpt, start, end, shard, device), delay)
+    metrics.BENCH_REPLY_DELAY.labels("fixed").set(delay.fixed_s)
+    metrics.BENCH_REPLY_DELAY.labels("per_row").set(delay.per_row_s)
+    if delay:
+        logger.warning("benchmark mode: every shm/tcp Forward reply is held %g ms + %g us per row",
+                       cfg.bench_reply_delay_ms, cfg.bench_reply_delay_us_per_row)  # fmt: skip
     planes = []
     if "tcp" in cfg.data_planes:
         planes.append(TcpPlane(handler, cfg.host, cfg.data_port))

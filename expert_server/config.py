@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 WEIGHT_FORMATS = ("checkpoint", "w4a16")
 DATA_PLANES = ("tcp", "shm")  # offered besides gRPC, which every worker serves
 CPU_SCHEDULING = ("batch", "normal")
+BENCHMARK_ENV = "HETERO_MOE_BENCHMARK"  # "1" lets benchmarks emulate pool-B latency (--bench-reply-delay-ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +28,8 @@ class WorkerConfig:
     data_planes: tuple[str, ...] = DATA_PLANES
     data_port: int = 0  # TCP data plane port; 0 picks a free one (Info tells the attention node)
     cpu_scheduling: str = "batch"  # Linux policy of every worker thread (SCHED_BATCH or SCHED_OTHER)
+    bench_reply_delay_ms: float = 0.0  # benchmarks only: hold each shm/tcp Forward reply this long,
+    bench_reply_delay_us_per_row: float = 0.0  # plus this per token row it carries
 
     def __post_init__(self) -> None:
         if not self.model.is_dir():
@@ -50,6 +54,10 @@ class WorkerConfig:
             raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
         if self.cpu_scheduling not in CPU_SCHEDULING:
             raise ValueError(f"--cpu-scheduling {self.cpu_scheduling!r} is not one of {CPU_SCHEDULING}")
+        if self.bench_reply_delay_ms < 0 or self.bench_reply_delay_us_per_row < 0:
+            raise ValueError("--bench-reply-delay-ms and --bench-reply-delay-us-per-row must be >= 0")
+        if (self.bench_reply_delay_ms or self.bench_reply_delay_us_per_row) and os.environ.get(BENCHMARK_ENV) != "1":
+            raise ValueError(f"--bench-reply-delay-* slows every answer down: benchmarks only ({BENCHMARK_ENV}=1)")
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> WorkerConfig:
@@ -73,6 +81,12 @@ class WorkerConfig:
                        help="batch (default): Linux SCHED_BATCH, so a request arriving never preempts the process "
                             "that sent it (on a host shared with the attention node, its fan-out to the other "
                             "workers finishes first); normal: SCHED_OTHER")
+        p.add_argument("--bench-reply-delay-ms", type=float, default=0.0, metavar="MS",
+                       help=f"benchmarks only ({BENCHMARK_ENV}=1): send each Forward reply on the shm and tcp planes "
+                            "MS later, taking the next request meanwhile, to emulate a pool-B GPU and its link on a "
+                            "CPU machine (make bench-pingpong)")
+        p.add_argument("--bench-reply-delay-us-per-row", type=float, default=0.0, metavar="US",
+                       help="benchmarks only: and US microseconds more per token row in the reply")
         a = p.parse_args(argv)
         return cls(
             model=a.model,
@@ -89,4 +103,6 @@ class WorkerConfig:
             data_planes=tuple(x.strip() for x in a.data_planes.split(",") if x.strip()),
             data_port=a.data_port,
             cpu_scheduling=a.cpu_scheduling,
+            bench_reply_delay_ms=a.bench_reply_delay_ms,
+            bench_reply_delay_us_per_row=a.bench_reply_delay_us_per_row,
         )

@@ -14,6 +14,10 @@ BYTES_SENT = Counter("hetero_moe_worker_bytes_sent", "Tensor payload bytes sent 
 ROWS = Counter("hetero_moe_worker_rows", "Token rows computed")
 PAIRS = Counter("hetero_moe_worker_pairs", "(token row, expert) pairs computed")
 UP = Gauge("hetero_moe_worker_up", "1 while the worker serves, 0 while it loads or drains")
+BENCH_REPLY_DELAY = Gauge(
+    "hetero_moe_worker_bench_reply_delay_seconds",
+    "Emulated pool-B latency added to every reply, fixed and per row (benchmarks only; else 0)", ["part"],
+)
 SHARD = Info("hetero_moe_worker_shard", "What this worker serves: its index, experts and kernel backend")
 
 

@@ -26,7 +26,8 @@ from protos import expert_pb2 as pb
 from protos import expert_pb2_grpc as pb_grpc
 from protos.checkpoint import read_checkpoint
 from protos.placement import Placement
-from tests.support import HOST, Processes, start_workers
+from expert_server.config import BENCHMARK_ENV
+from tests.support import HOST, Processes, python_module, scrape, start_workers, total
 from tests.test_expert_server import request_for
 
 NUM_WORKERS = 2
@@ -307,3 +308,35 @@ def test_probe_names_an_unreachable_worker():
     result = subprocess.run([sys.executable, "-m", "attention_server.probe", "127.0.0.1:1", "--timeout", "2"],
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 2 and "worker 0 at 127.0.0.1:1: not reachable within 2 s" in result.stderr
+
+
+def test_the_benchmark_reply_delay_is_for_benchmarks_only_and_changes_no_answer(model, workers, infos, processes,
+                                                                              monkeypatch):  # fmt: skip
+    """make bench-pingpong's emulation of pool B (--bench-reply-delay-*): refused unless the
+    benchmark switch is set, reported on /metrics, and the answers that come late are the same."""
+    env = {k: v for k, v in os.environ.items() if k != BENCHMARK_ENV}
+    refused = subprocess.run(python_module("expert_server", "--model", str(model), "--worker-index", "0",
+                                           "--num-workers", str(NUM_WORKERS), "--port", "0", "--bench-reply-delay-ms", "5"),
+                             env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert refused.returncode != 0 and f"benchmarks only ({BENCHMARK_ENV}=1)" in refused.stderr
+    monkeypatch.setenv(BENCHMARK_ENV, "1")
+    delay = ("--bench-reply-delay-ms", "20", "--bench-reply-delay-us-per-row", "10")
+    delayed = start_workers(processes, model, NUM_WORKERS, tag="delayed", extra_args=delay)
+    reported = scrape(delayed.metrics_urls[0])
+    assert total(reported, "hetero_moe_worker_bench_reply_delay_seconds", part="fixed") == 0.02
+    assert total(reported, "hetero_moe_worker_bench_reply_delay_seconds", part="per_row") == 1e-5
+    ckpt = read_checkpoint(model)
+    layer = ckpt.moe_layers[0]
+    delayed_infos = [fetch_info(w, e, 10) for w, e in enumerate(delayed.endpoints)]
+    for plane in ("shm", "tcp"):
+        transport = transport_for(delayed, delayed_infos, plane)
+        try:
+            batches = [routing(ckpt, 8 * (micro_batch + 1), seed=micro_batch) for micro_batch in range(2)]
+            for micro_batch, (x, plan) in enumerate(batches):  # both in flight at once
+                transport.send(layer, micro_batch, x, plan)
+            for micro_batch, (x, plan) in enumerate(batches):
+                got = transport.take(layer, micro_batch).wait()
+                want = unary_partials(workers, layer, x, plan)
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), (plane, micro_batch)
+        finally:
+            transport.close()

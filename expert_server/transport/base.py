@@ -2,14 +2,63 @@
 from __future__ import annotations
 
 import logging
+import queue
 import socket
 import threading
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from expert_server.transport.handler import ExpertHandler
 from protos import expert_pb2 as pb
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyDelayConfig:
+    """Benchmarks only (--bench-reply-delay-ms, --bench-reply-delay-us-per-row)."""
+
+    fixed_s: float
+    per_row_s: float
+
+    def __bool__(self) -> bool:
+        return bool(self.fixed_s or self.per_row_s)
+
+    def seconds(self, rows: int) -> float:
+        return self.fixed_s + self.per_row_s * rows
+
+
+class ReplyDelay:
+    """Benchmarks only: a connection's replies leave a ReplyDelayConfig's time after they are
+    ready, in order, from a thread of their own, while the connection already takes its next
+    request; a pool-B GPU's compute and link latency, emulated without using this CPU."""
+
+    def __init__(self, config: ReplyDelayConfig | None):
+        self.config = config if config else None
+        self._due: queue.SimpleQueue[tuple[float, Callable[[], object]] | None] = queue.SimpleQueue()
+        if self.config:
+            threading.Thread(target=self._send_when_due, name="bench-reply-delay", daemon=True).start()
+
+    def send(self, reply: Callable[[], object], rows: int = 0) -> None:
+        """`reply` sends a reply of `rows` token rows."""
+        if self.config is None:
+            reply()
+        else:  # a later reply may be due sooner (fewer rows); it still waits its turn, as on a link
+            self._due.put((time.monotonic() + self.config.seconds(rows), reply))
+
+    def close(self) -> None:
+        self._due.put(None)
+
+    def _send_when_due(self) -> None:
+        while (item := self._due.get()) is not None:
+            due, reply = item
+            time.sleep(max(0.0, due - time.monotonic()))
+            try:
+                reply()
+            except OSError:
+                return  # the connection is gone; its serving thread says so
 
 
 class Plane(ABC):

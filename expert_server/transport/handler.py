@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -19,6 +20,9 @@ from expert_server.experts import LocalExperts
 from expert_server.status import status_for
 from protos import frames
 from protos.frames import Header, Kind
+
+if TYPE_CHECKING:
+    from expert_server.transport.base import ReplyDelayConfig
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +51,9 @@ class Reply:
 class ExpertHandler:
     """This worker's experts behind every plane; one computation at a time."""
 
-    def __init__(self, experts: LocalExperts):
+    def __init__(self, experts: LocalExperts, reply_delay: ReplyDelayConfig | None = None):
         self.experts = experts
+        self.reply_delay = reply_delay  # benchmarks only (make bench-pingpong)
         self._compute = threading.Lock()
         self._ok = metrics.REQUESTS.labels(grpc.StatusCode.OK.name)
 

@@ -15,7 +15,7 @@ import uuid
 
 import torch
 
-from expert_server.transport.base import Plane
+from expert_server.transport.base import Plane, ReplyDelay
 from expert_server.transport.handler import ExpertHandler, Reply
 from protos import codec, frames
 from protos import expert_pb2 as pb
@@ -35,6 +35,13 @@ class ShmPlane(Plane):
         return pb.DataPlane(kind=self.kind, address=self.address[1:], host_id=frames.host_id())
 
     def serve(self, conn: socket.socket) -> None:
+        delay = ReplyDelay(self.handler.reply_delay)
+        try:
+            self._serve(conn, delay)
+        finally:
+            delay.close()
+
+    def _serve(self, conn: socket.socket, delay: ReplyDelay) -> None:
         segments: dict[int, mmap.mmap] = {}  # per micro-batch slot; unmapped when dropped
         while True:
             message, fds, _, _ = socket.recv_fds(conn, HEADER.size, 1)
@@ -52,7 +59,8 @@ class ShmPlane(Plane):
             finally:
                 for fd in fds:
                     os.close(fd)
-            conn.send(reply.header.pack() + (bytes(reply.payload) if reply.header.kind == Kind.ERROR else b""))
+            message = reply.header.pack() + (bytes(reply.payload) if reply.header.kind == Kind.ERROR else b"")
+            delay.send(lambda message=message: conn.send(message), 0 if reply.partial is None else reply.partial.shape[0])
 
     def _answer(self, header: Header, segment: mmap.mmap | None) -> Reply:
         reply_at = frames.reply_offset(header.payload)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import socket
 
-from expert_server.transport.base import Plane
+from expert_server.transport.base import Plane, ReplyDelay
 from expert_server.transport.handler import ExpertHandler
 from protos import codec, frames
 from protos import expert_pb2 as pb
@@ -23,6 +23,13 @@ class TcpPlane(Plane):
     def serve(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         buffer = frames.ReceiveBuffer(1 << 20)
+        delay = ReplyDelay(self.handler.reply_delay)
+        try:
+            self._serve(conn, buffer, delay)
+        finally:
+            delay.close()
+
+    def _serve(self, conn: socket.socket, buffer: frames.ReceiveBuffer, delay: ReplyDelay) -> None:
         while True:
             try:
                 frame = frames.recv_frame(conn, buffer)
@@ -34,4 +41,8 @@ class TcpPlane(Plane):
             if frame is None:
                 return
             reply = self.handler.handle(*frame)
-            frames.send_frame(conn, reply.header, [reply.payload_bytes()])
+            payload = reply.payload_bytes()
+            if delay.config and reply.partial is None:
+                payload = bytes(payload)  # an echo's bytes view the receive buffer, which the next frame reuses
+            rows = 0 if reply.partial is None else reply.partial.shape[0]
+            delay.send(lambda header=reply.header, payload=payload: frames.send_frame(conn, header, [payload]), rows)

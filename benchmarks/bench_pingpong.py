@@ -1,0 +1,285 @@
+"""make bench-pingpong: decode step time and throughput with m = 1, 2, 3, 4 micro-batches in ping-pong.
+
+    python -m benchmarks.bench_pingpong [--out FILE] [--batch 16] [--workers 8] [--microbatches 1,2,3,4]
+
+The cluster on the embedded tiny model (4 MoE layers, compiled), loopback only; a batch of B
+requests with a long prompt (so that attention is a real part of the attention node's time)
+decodes together. On this CPU machine the experts cost next to nothing, so the workers emulate
+pool B with their benchmark-only reply delay (--bench-reply-delay-ms/-us-per-row: each Forward
+reply leaves that much later while the worker takes the next request; printed with every figure).
+A first run without delays measures the attention node's busy time per MoE layer (a) and the
+remote time this machine adds by itself (own: transport and the workers' CPU). Two regimes:
+
+- expert ≈ attention: a per-row delay meant to bring the whole batch's remote time to a (a
+  micro-batch's experts then cost what its attention costs: the ideal m = 2 step is about half of
+  m = 1's); the busiest worker holds more rows than the average this calibrates on, so it lands
+  above a, as the wait at m = 1 shows;
+- transport-heavy: that, plus a fixed delay per Forward of twice a (a slow link), where more
+  micro-batches keep paying off.
+
+Beside each measured step, the ideal from DESIGN.md §4 for this emulation: one layer takes
+max(a, a/m + r(m)) with r(m) = own + d + e/m a micro-batch's remote time (d the fixed delay, e
+what the per-row delay added to the wait at m = 1); the step adds the time outside the model
+forward (sampling, scheduling). a, e and that outside time come from the regime's m = 1 point,
+own from the run without delays, all from the attention node's metrics (hetero_moe_step_*).
+
+Prints a table, writes JSON and a PNG (step time against m, both regimes) next to it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import tiny_models
+from cluster.launcher import ClusterSpec, free_port_run, free_ports, stop_pids, wait_http_ready
+from expert_server.config import BENCHMARK_ENV
+from protos.checkpoint import read_checkpoint
+
+logger = logging.getLogger("bench_pingpong")
+
+HOST = "127.0.0.1"
+VLLM_ARGS = ("--dtype", "bfloat16", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 30))
+DECODE_TOKENS = 48
+# A long context, so that attention is a real part of the attention node's time per layer.
+PROMPT = " ".join(["In the beginning of the long winter the village gathered its wood, its grain and its stories."] * 50)
+ROUNDS = 3
+PROMPT_TOKENS = 0  # what the tokenizer made of PROMPT, from the server's usage counts
+
+
+@dataclass
+class Point:
+    regime: str
+    microbatches: int
+    step_ms: float  # decode step: one token for every request of the batch
+    tokens_per_s: float
+    forward_ms: float  # the model forward within a step (attention node's metrics)
+    expert_wait_ms: float  # of which blocked waiting for the workers
+    ideal_step_ms: float | None = None
+
+
+def scrape_sums(url: str) -> dict[str, float]:
+    import urllib.request
+
+    out: dict[str, float] = {}
+    for line in urllib.request.urlopen(url, timeout=30).read().decode().splitlines():
+        if line.startswith("hetero_moe_step_") and ("_sum" in line or "_count" in line):
+            name, value = line.rsplit(" ", 1)
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def decode_seconds(client, model: str, batch: int, tokens: int) -> float:
+    start = time.perf_counter()
+    response = client.completions.create(model=model, prompt=[PROMPT] * batch, max_tokens=tokens, temperature=0,
+                                         extra_body={"ignore_eos": True})  # fmt: skip
+    seconds = time.perf_counter() - start
+    global PROMPT_TOKENS
+    PROMPT_TOKENS = response.usage.prompt_tokens // batch
+    return seconds
+
+
+def measure(base_url: str, batch: int, regime: str, m: int) -> Point:
+    """Decode step = (time of DECODE_TOKENS tokens - time of 1) / (DECODE_TOKENS - 1), median of
+    rounds; the attention node's forward and expert wait per decode step the same way, from its
+    metrics (the 1-token request is the prefill the other also has)."""
+    import statistics
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    decode_seconds(client, model, batch, 4)  # warm: the batch shape compiled, caches filled
+    url = f"{base_url}/metrics"
+    steps, rates, forwards, waits = [], [], [], []
+    for _ in range(ROUNDS):
+        s0 = scrape_sums(url)
+        one = decode_seconds(client, model, batch, 1)
+        s1 = scrape_sums(url)
+        full = decode_seconds(client, model, batch, DECODE_TOKENS)
+        s2 = scrape_sums(url)
+
+        def decode_only(name: str) -> float:
+            return (s2[name] - s1[name]) - (s1[name] - s0[name])
+
+        count = decode_only("hetero_moe_step_forward_seconds_count")
+        steps.append((full - one) / (DECODE_TOKENS - 1))
+        rates.append(batch * DECODE_TOKENS / full)
+        forwards.append(decode_only("hetero_moe_step_forward_seconds_sum") / count)
+        waits.append(decode_only("hetero_moe_step_expert_wait_seconds_sum") / count)
+    return Point(regime, m, 1e3 * statistics.median(steps), statistics.median(rates),
+                 1e3 * statistics.median(forwards), 1e3 * statistics.median(waits))  # fmt: skip
+
+
+class Cluster:
+    """Eight workers (restarted per regime, with its delays) and one attention server at a time."""
+
+    def __init__(self, model: Path, logs: Path, workers: int):
+        self.model, self.logs = model, logs
+        self.spec = ClusterSpec(model=model, num_workers=workers, worker_base_port=free_port_run(workers),
+                                http_port=0, host=HOST, run_dir=logs, worker_threads=1,
+                                worker_metrics_base_port=free_port_run(workers))  # fmt: skip
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start_workers(self, delay_ms: float, delay_us_per_row: float) -> None:
+        self.stop("worker")
+        env = {**os.environ, BENCHMARK_ENV: "1"}
+        extra = ["--bench-reply-delay-ms", str(delay_ms), "--bench-reply-delay-us-per-row", str(delay_us_per_row)]
+        for i in range(self.spec.num_workers):
+            with (self.logs / f"worker-{i}.log").open("wb") as f:
+                self.procs[f"worker-{i}"] = subprocess.Popen(self.spec.worker_command(i) + extra, stdout=f,
+                                                             stderr=subprocess.STDOUT, start_new_session=True, env=env)  # fmt: skip
+
+    def start_attention(self, m: int) -> str:
+        self.stop("attention")
+        (port,) = free_ports(1)
+        cmd = [sys.executable, "-m", "attention_server", "--model", str(self.model), "--expert-endpoints",
+               ",".join(self.spec.endpoints), "--pingpong-microbatches", str(m), "--host", HOST, "--port", str(port),
+               *VLLM_ARGS]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")}
+        with (self.logs / f"attention-m{m}.log").open("wb") as f:
+            self.procs["attention"] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                                       start_new_session=True, env=env)  # fmt: skip
+        base_url = f"http://{HOST}:{port}"
+        wait_http_ready(base_url, [self.procs["attention"]], timeout_s=900)
+        return base_url
+
+    def stop(self, prefix: str = "") -> None:
+        chosen = {n: p for n, p in self.procs.items() if n.startswith(prefix)}
+        if chosen:
+            stop_pids({n: p.pid for n, p in chosen.items()}, reap=lambda: [p.poll() for p in chosen.values()])
+            for n, p in chosen.items():
+                p.wait()
+                del self.procs[n]
+
+
+def ideal_step_ms(base: Point, layers: int, m: int, own_ms: float, d_ms: float) -> float:
+    """DESIGN.md §4 for a micro-batch's remote time r(m) = own + d + e/m per layer, from the regime's
+    m = 1 point `base`: a = attention busy time per layer, e = what the per-row delay added to the
+    wait at m = 1, outside = step time outside the model forward."""
+    a = (base.forward_ms - base.expert_wait_ms) / layers
+    e = max(0.0, base.expert_wait_ms / layers - own_ms - d_ms)
+    outside = base.step_ms - base.forward_ms
+    return outside + layers * max(a, a / m + own_ms + d_ms + e / m)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_pingpong", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--out", type=Path, default=Path("results/bench_pingpong.json"))
+    p.add_argument("--batch", type=int, default=16, help="requests decoding together")
+    p.add_argument("--microbatches", default="1,2,3,4")
+    p.add_argument("--workers", type=int, default=8, help="expert workers (each costs this machine CPU per request)")
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ms = [int(x) for x in a.microbatches.split(",")]
+    assert ms[0] == 1, "m = 1 first: it calibrates the regimes and the ideal"
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    logs = a.out.parent / "bench-pingpong-logs"
+    logs.mkdir(exist_ok=True)
+    model = tiny_models.make("qwen3_moe", tiny_models.default_model_dir())
+    ckpt = read_checkpoint(model)
+    layers = len(ckpt.moe_layers)
+    # The share of a batch's tokens that reach one worker (E / W experts of E, top-k): its rows.
+    rows_share = 1 - math.comb(ckpt.num_experts - ckpt.num_experts // a.workers, ckpt.top_k) / math.comb(
+        ckpt.num_experts, ckpt.top_k)
+    cluster = Cluster(model, logs, a.workers)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    points: list[Point] = []
+    regimes: dict[str, dict] = {}
+    try:
+        # Calibration: the attention node's busy time per MoE layer, and the remote time this machine
+        # adds by itself (transport, the workers' CPU), with instant workers.
+        cluster.start_workers(0.0, 0.0)
+        calib = measure(cluster.start_attention(1), a.batch, "no delay", 1)
+        points.append(calib)
+        attention_ms = (calib.forward_ms - calib.expert_wait_ms) / layers
+        own_remote_ms = calib.expert_wait_ms / layers
+        # Expert time = attention time: the per-row part makes up what the machine's own remote time
+        # leaves, over the rows a worker gets.
+        per_row_us = 1e3 * max(0.0, attention_ms - own_remote_ms) / (rows_share * a.batch)
+        if not per_row_us:
+            logger.warning("the remote time of this machine (%.2f ms per layer) already exceeds attention's (%.2f)",
+                           own_remote_ms, attention_ms)  # fmt: skip
+        regimes = {
+            "expert ≈ attention": {"delay_ms": 0.0, "delay_us_per_row": per_row_us},
+            "transport-heavy": {"delay_ms": 2 * attention_ms, "delay_us_per_row": per_row_us},
+        }
+        for regime, delays in regimes.items():
+            cluster.start_workers(delays["delay_ms"], delays["delay_us_per_row"])
+            base = None
+            for m in ms:
+                point = measure(cluster.start_attention(m), a.batch, regime, m)
+                base = base or point
+                point.ideal_step_ms = ideal_step_ms(base, layers, m, own_remote_ms, delays["delay_ms"])
+                points.append(point)
+                logger.info("%s", point)
+    finally:
+        cluster.stop()
+    header = f"{'regime':22} {'m':>2} {'step ms':>8} {'ideal ms':>9} {'x m=1':>6} {'tok/s':>7} {'wait ms':>8}"
+    lines = [header]
+    for pt in points:
+        base = next(q for q in points if q.regime == pt.regime and q.microbatches == 1)
+        ideal = "" if pt.ideal_step_ms is None else f"{pt.ideal_step_ms:.2f}"
+        lines.append(f"{pt.regime:22} {pt.microbatches:>2} {pt.step_ms:8.2f} {ideal:>9} "
+                     f"{pt.step_ms / base.step_ms:6.2f} {pt.tokens_per_s:7.0f} {pt.expert_wait_ms:8.2f}")  # fmt: skip
+    for regime, delays in regimes.items():
+        lines.append(f"{regime}: workers hold each reply {delays['delay_ms']:.2f} ms + "
+                     f"{delays['delay_us_per_row']:.1f} µs per row (benchmark-only emulation of pool B)")
+    lines.append(f"batch {a.batch} requests, prompt {PROMPT_TOKENS} tokens, {DECODE_TOKENS} tokens decoded each; "
+                 f"{layers} MoE layers, {a.workers} workers; without delays the attention node is busy {attention_ms:.2f} ms and waits "
+                 f"{own_remote_ms:.2f} ms for the workers per MoE layer")
+    report = "\n".join(lines)
+    print(report)
+    result = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, loopback",
+        "date": time.strftime("%Y-%m-%d"),
+        "batch": a.batch,
+        "workers": a.workers,
+        "decode_tokens": DECODE_TOKENS,
+        "prompt_tokens": PROMPT_TOKENS,
+        "moe_layers": layers,
+        "attention_ms_per_layer": attention_ms,
+        "own_remote_ms_per_layer": own_remote_ms,
+        "regimes": regimes,
+        "points": [asdict(pt) for pt in points],
+        "vllm_args": list(VLLM_ARGS),
+    }
+    a.out.write_text(json.dumps(result, indent=2))
+    plot(points, a.out.with_suffix(".png"))
+    print(f"\nwrote {a.out} and {a.out.with_suffix('.png')}")
+
+
+def plot(points: list[Point], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for regime in dict.fromkeys(pt.regime for pt in points if pt.ideal_step_ms is not None):
+        mine = [pt for pt in points if pt.regime == regime]
+        (line,) = ax.plot([pt.microbatches for pt in mine], [pt.step_ms for pt in mine], "o-", label=f"{regime}")
+        ax.plot([pt.microbatches for pt in mine], [pt.ideal_step_ms for pt in mine], "--", color=line.get_color(),
+                label=f"{regime}, ideal (DESIGN §4)")  # fmt: skip
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("decode step, ms")
+    ax.set_xticks(sorted({pt.microbatches for pt in points}))
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.set_title("ping-pong on the tiny model (CPU, emulated pool B)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
