@@ -423,6 +423,16 @@ def test_dashboard_shows_the_worker_metrics(projects):
     assert all(re.search(r"\bby \([^)]*\bstatus\b", e) for e in exprs if "hetero_moe_worker_requests_total" in e)
 
 
+def test_dashboard_shows_the_attention_nodes_step_metrics():
+    from attention_server import metrics
+
+    exprs = _dashboard_exprs()
+    for metric in (metrics.STEP_FORWARD, metrics.STEP_EXPERT_WAIT, metrics.STEP_COMBINE, metrics.STEP_ATTENTION,
+                   metrics.STEP_OVERLAP, metrics.PINGPONG_STEPS):  # fmt: skip
+        (family,) = metric.describe()
+        assert any(re.search(rf"\b{family.name}(_sum|_count|_total)\b", e) for e in exprs), family.name
+
+
 def test_dashboard_vllm_metrics_exist_in_vllm():
     source = "\n".join(p.read_text() for p in (Path(importlib.util.find_spec("vllm").origin).parent / "v1" / "metrics").glob("*.py"))
     used = set(re.findall(r"vllm:[a-z0-9_]+", " ".join(_dashboard_exprs())))
