@@ -53,7 +53,7 @@ from cluster.launcher import wait_http_ready
 from protos.checkpoint import read_checkpoint
 from tests.support import (
     HOST, MAX_TOKENS, PROMPTS, VLLM_CPU_ARGS, ClusterCounters, Generation, assert_workers_did_the_work, free_port_run, free_ports,
-    generate, python_module, token_id, total,
+    generate, python_module, scrape, token_id, total,
 )  # fmt: skip
 from tiny_models.w4a16 import quantize_experts
 
@@ -310,14 +310,22 @@ def test_requests_of_different_lengths_arriving_mid_batch(cluster, capsys):
     lengths = [MAX_TOKENS - 3 * i for i in range(len(PROMPTS))]
     answers: dict[int, object] = {}
 
+    def started() -> float:  # requests the engine runs or has finished
+        samples = scrape(f"{cluster.base_url}/metrics")
+        return total(samples, "vllm:num_requests_running") + total(samples, "vllm:request_success_total")
+
     def ask(i: int) -> None:
-        time.sleep(0.15 * i)  # the earlier requests are decoding by now
+        # Each request arrives once the ones before it are in the engine, decoding.
+        deadline = time.monotonic() + 60
+        while started() < already + i and time.monotonic() < deadline:
+            time.sleep(0.01)
         answers[i] = client.completions.create(
             model=model_id, prompt=PROMPTS[i], max_tokens=lengths[i], temperature=0, logprobs=2,
             extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
         )  # fmt: skip
 
     before = cluster.counters()
+    already = started()
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
     for t in threads:
         t.start()
