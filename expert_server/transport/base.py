@@ -41,12 +41,12 @@ class ReplyDelay:
         if self.config:
             threading.Thread(target=self._send_when_due, name="bench-reply-delay", daemon=True).start()
 
-    def send(self, reply: Callable[[], object], rows: int = 0) -> None:
-        """`reply` sends a reply of `rows` token rows."""
+    def send(self, send: Callable[[], object], rows: int) -> None:
+        """`send` sends a reply of `rows` token rows."""
         if self.config is None:
-            reply()
+            send()
         else:  # a later reply may be due sooner (fewer rows); it still waits its turn, as on a link
-            self._due.put((time.monotonic() + self.config.seconds(rows), reply))
+            self._due.put((time.monotonic() + self.config.seconds(rows), send))
 
     def close(self) -> None:
         self._due.put(None)
@@ -83,8 +83,8 @@ class Plane(ABC):
     def advertise(self) -> pb.DataPlane: ...
 
     @abstractmethod
-    def serve(self, conn: socket.socket) -> None:
-        """Answer frames on one connection until the peer closes it."""
+    def serve(self, conn: socket.socket, delay: ReplyDelay) -> None:
+        """Answer frames on one connection until the peer closes it, sending replies through `delay`."""
 
     def _accept(self) -> None:
         while not self._closed.is_set():
@@ -95,9 +95,12 @@ class Plane(ABC):
             threading.Thread(target=self._serve_logged, args=(conn,), name=f"{self.kind}-conn", daemon=True).start()
 
     def _serve_logged(self, conn: socket.socket) -> None:
+        delay = ReplyDelay(self.handler.reply_delay)
         with conn:
             try:
-                self.serve(conn)
+                self.serve(conn, delay)
             except (ConnectionError, OSError) as err:
                 if not self._closed.is_set():
                     logger.info("%s connection closed: %s", self.kind, err)
+            finally:
+                delay.close()

@@ -44,6 +44,11 @@ class Reply:
     partial: torch.Tensor | None = None
     payload: bytes | memoryview = b""
 
+    @property
+    def rows(self) -> int:
+        """Token rows of the partial it carries (0 for echoes and errors)."""
+        return 0 if self.partial is None else self.partial.shape[0]
+
     def payload_bytes(self) -> bytes | memoryview:
         return frames.tensor_bytes(self.partial) if self.partial is not None else self.payload
 

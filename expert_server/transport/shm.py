@@ -34,14 +34,7 @@ class ShmPlane(Plane):
     def advertise(self) -> pb.DataPlane:
         return pb.DataPlane(kind=self.kind, address=self.address[1:], host_id=frames.host_id())
 
-    def serve(self, conn: socket.socket) -> None:
-        delay = ReplyDelay(self.handler.reply_delay)
-        try:
-            self._serve(conn, delay)
-        finally:
-            delay.close()
-
-    def _serve(self, conn: socket.socket, delay: ReplyDelay) -> None:
+    def serve(self, conn: socket.socket, delay: ReplyDelay) -> None:
         segments: dict[int, mmap.mmap] = {}  # per micro-batch slot; unmapped when dropped
         while True:
             message, fds, _, _ = socket.recv_fds(conn, HEADER.size, 1)
@@ -60,7 +53,7 @@ class ShmPlane(Plane):
                 for fd in fds:
                     os.close(fd)
             message = reply.header.pack() + (bytes(reply.payload) if reply.header.kind == Kind.ERROR else b"")
-            delay.send(lambda message=message: conn.send(message), 0 if reply.partial is None else reply.partial.shape[0])
+            delay.send(lambda message=message: conn.send(message), reply.rows)
 
     def _answer(self, header: Header, segment: mmap.mmap | None) -> Reply:
         reply_at = frames.reply_offset(header.payload)

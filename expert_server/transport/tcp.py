@@ -20,16 +20,9 @@ class TcpPlane(Plane):
     def advertise(self) -> pb.DataPlane:
         return pb.DataPlane(kind=self.kind, port=self.port)
 
-    def serve(self, conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket, delay: ReplyDelay) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         buffer = frames.ReceiveBuffer(1 << 20)
-        delay = ReplyDelay(self.handler.reply_delay)
-        try:
-            self._serve(conn, buffer, delay)
-        finally:
-            delay.close()
-
-    def _serve(self, conn: socket.socket, buffer: frames.ReceiveBuffer, delay: ReplyDelay) -> None:
         while True:
             try:
                 frame = frames.recv_frame(conn, buffer)
@@ -44,5 +37,4 @@ class TcpPlane(Plane):
             payload = reply.payload_bytes()
             if delay.config and reply.partial is None:
                 payload = bytes(payload)  # an echo's bytes view the receive buffer, which the next frame reuses
-            rows = 0 if reply.partial is None else reply.partial.shape[0]
-            delay.send(lambda header=reply.header, payload=payload: frames.send_frame(conn, header, [payload]), rows)
+            delay.send(lambda header=reply.header, payload=payload: frames.send_frame(conn, header, [payload]), reply.rows)
