@@ -50,7 +50,8 @@ class StepTimes:
     expert_wait_s: float = 0.0
     combine_s: float = 0.0
 
-    def publish(self, forward_s: float) -> None:
+    def publish(self, forward_s: float, microbatches: int) -> None:
+        PINGPONG_STEPS.labels(str(microbatches)).inc()
         STEP_FORWARD.observe(forward_s)
         STEP_EXPERT_WAIT.observe(self.expert_wait_s)
         STEP_COMBINE.observe(self.combine_s)

@@ -136,7 +136,6 @@ class PingPongCPUModelRunner(CPUModelRunner):
         if self._in_step:
             # allow_microbatching is vLLM's own veto (a prefix-cache reader split from its writer).
             split = self.microbatches > 1 and kwargs.get("allow_microbatching", True) and num_reqs >= self.microbatches
-            metrics.PINGPONG_STEPS.labels(str(self.microbatches if split else 1)).inc()
         return mode, descriptor, split, across_dp, stats
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
@@ -149,7 +148,7 @@ class PingPongCPUModelRunner(CPUModelRunner):
             out = super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs)
         else:
             out = self._pingpong(step, input_ids, positions, intermediate_tensors, inputs_embeds, model_kwargs)
-        self._times.publish(time.perf_counter() - start)
+        self._times.publish(time.perf_counter() - start, 1 if step.ubatch_slices is None else len(step.ubatch_slices))
         return out
 
     def _pingpong(self, step, input_ids, positions, intermediate_tensors, inputs_embeds, model_kwargs) -> torch.Tensor:

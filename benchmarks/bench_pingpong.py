@@ -53,7 +53,6 @@ DECODE_TOKENS = 48
 # A long context, so that attention is a real part of the attention node's time per layer.
 PROMPT = " ".join(["In the beginning of the long winter the village gathered its wood, its grain and its stories."] * 50)
 ROUNDS = 3
-PROMPT_TOKENS = 0  # what the tokenizer made of PROMPT, from the server's usage counts
 
 
 @dataclass
@@ -80,12 +79,18 @@ def scrape_sums(url: str) -> dict[str, float]:
 
 def decode_seconds(client, model: str, batch: int, tokens: int) -> float:
     start = time.perf_counter()
-    response = client.completions.create(model=model, prompt=[PROMPT] * batch, max_tokens=tokens, temperature=0,
-                                         extra_body={"ignore_eos": True})  # fmt: skip
-    seconds = time.perf_counter() - start
-    global PROMPT_TOKENS
-    PROMPT_TOKENS = response.usage.prompt_tokens // batch
-    return seconds
+    client.completions.create(model=model, prompt=[PROMPT] * batch, max_tokens=tokens, temperature=0,
+                              extra_body={"ignore_eos": True})  # fmt: skip
+    return time.perf_counter() - start
+
+
+def prompt_tokens(base_url: str) -> int:
+    """What the served model's tokenizer makes of PROMPT."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    return client.completions.create(model=model, prompt=PROMPT, max_tokens=1).usage.prompt_tokens
 
 
 def measure(base_url: str, batch: int, regime: str, m: int) -> Point:
@@ -200,7 +205,9 @@ def main() -> None:
         # Calibration: the attention node's busy time per MoE layer, and the remote time this machine
         # adds by itself (transport, the workers' CPU), with instant workers.
         cluster.start_workers(0.0, 0.0)
-        calib = measure(cluster.start_attention(1), a.batch, "no delay", 1)
+        url = cluster.start_attention(1)
+        calib = measure(url, a.batch, "no delay", 1)
+        context = prompt_tokens(url)
         points.append(calib)
         attention_ms = (calib.forward_ms - calib.expert_wait_ms) / layers
         own_remote_ms = calib.expert_wait_ms / layers
@@ -235,7 +242,7 @@ def main() -> None:
     for regime, delays in regimes.items():
         lines.append(f"{regime}: workers hold each reply {delays['delay_ms']:.2f} ms + "
                      f"{delays['delay_us_per_row']:.1f} µs per row (benchmark-only emulation of pool B)")
-    lines.append(f"batch {a.batch} requests, prompt {PROMPT_TOKENS} tokens, {DECODE_TOKENS} tokens decoded each; "
+    lines.append(f"batch {a.batch} requests, prompt {context} tokens, {DECODE_TOKENS} tokens decoded each; "
                  f"{layers} MoE layers, {a.workers} workers; without delays the attention node is busy {attention_ms:.2f} ms and waits "
                  f"{own_remote_ms:.2f} ms for the workers per MoE layer")
     report = "\n".join(lines)
@@ -246,7 +253,7 @@ def main() -> None:
         "batch": a.batch,
         "workers": a.workers,
         "decode_tokens": DECODE_TOKENS,
-        "prompt_tokens": PROMPT_TOKENS,
+        "prompt_tokens": context,
         "moe_layers": layers,
         "attention_ms_per_layer": attention_ms,
         "own_remote_ms_per_layer": own_remote_ms,
