@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import tiny_models
-from cluster.launcher import ClusterSpec, free_port_run, free_ports, stop_pids, wait_http_ready
+from cluster.launcher import ClusterSpec, free_ports, free_worker_ports, stop_pids, wait_http_ready
 from expert_server.config import BENCHMARK_ENV
 from protos.checkpoint import read_checkpoint
 
@@ -130,9 +130,8 @@ class Cluster:
 
     def __init__(self, model: Path, logs: Path, workers: int):
         self.model, self.logs = model, logs
-        self.spec = ClusterSpec(model=model, num_workers=workers, worker_base_port=free_port_run(workers),
-                                http_port=0, host=HOST, run_dir=logs, worker_threads=1,
-                                worker_metrics_base_port=free_port_run(workers))  # fmt: skip
+        self.spec = ClusterSpec(model=model, num_workers=workers, http_port=0, host=HOST, run_dir=logs, worker_threads=1,
+                                **free_worker_ports(workers))  # fmt: skip
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start_workers(self, delay_ms: float, delay_us_per_row: float) -> None:

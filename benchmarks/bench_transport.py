@@ -53,7 +53,7 @@ from attention_server.partition import partition
 from attention_server.transport import factory
 from attention_server.transport.factory import open_channel
 from benchmarks.tcp_echo import LENGTH
-from cluster.launcher import ClusterSpec, free_port_run, free_ports, stop_pids, wait_http_ready
+from cluster.launcher import ClusterSpec, free_port_run, free_ports, free_worker_ports, stop_pids, wait_http_ready
 from protos import GRPC_OPTIONS, codec
 from protos import expert_pb2_grpc as pb_grpc
 from protos.checkpoint import read_checkpoint
@@ -372,9 +372,8 @@ def gpu_layers(logs: Path) -> dict:
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hetero-moe" / "models"
     model = tiny_models.make("qwen3_moe", cache / "qwen3_moe-a3b", preset="a3b")
     ckpt = read_checkpoint(model)
-    metrics_base = free_port_run(NUM_WORKERS)
-    spec = ClusterSpec(model=model, num_workers=NUM_WORKERS, worker_base_port=free_port_run(NUM_WORKERS), http_port=0,
-                       host=HOST, run_dir=logs, worker_threads=1, worker_metrics_base_port=metrics_base,
+    spec = ClusterSpec(model=model, num_workers=NUM_WORKERS, http_port=0, host=HOST, run_dir=logs, worker_threads=1,
+                       **free_worker_ports(NUM_WORKERS),
                        worker_args=("--device", "cuda", "--weight-format", "w4a16", "--kernel-backend", "triton"))  # fmt: skip
     procs = {}
     try:
@@ -388,7 +387,7 @@ def gpu_layers(logs: Path) -> dict:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(GPU_TOKENS, ckpt.hidden_size, generator=g).to(torch.bfloat16)
         phases = {"partition": [], "send": [], "wait": [], "combine": [], "round_trip": [], "compute": []}
-        worker_urls = [f"http://{HOST}:{metrics_base + i}/metrics" for i in range(NUM_WORKERS)]
+        worker_urls = [f"http://{HOST}:{spec.worker_metrics_base_port + i}/metrics" for i in range(NUM_WORKERS)]
         for step in range(GPU_STEPS + 10):
             if step == 10:  # the first steps compile and warm the kernels
                 handled_before = [_forward_seconds(u) for u in worker_urls]
@@ -450,9 +449,8 @@ def main() -> None:
         print(f"\nwrote {a.out}")
         return
     model = tiny_models.make("qwen3_moe", tiny_models.default_model_dir())
-    spec = ClusterSpec(model=model, num_workers=NUM_WORKERS, worker_base_port=free_port_run(NUM_WORKERS), http_port=0,
-                       host=HOST, run_dir=logs, worker_threads=1,
-                       worker_metrics_base_port=free_port_run(NUM_WORKERS))  # fmt: skip
+    spec = ClusterSpec(model=model, num_workers=NUM_WORKERS, http_port=0, host=HOST, run_dir=logs, worker_threads=1,
+                       **free_worker_ports(NUM_WORKERS))  # fmt: skip
     procs: dict[str, subprocess.Popen] = {}
     try:
         for i in range(NUM_WORKERS):

@@ -41,6 +41,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     up.add_argument("--worker-base-port", type=int, default=50100, help="worker i listens on base + i")
     up.add_argument("--worker-metrics-base-port", type=int, default=9401,
                     help="worker i serves Prometheus /metrics on base + i")
+    up.add_argument("--worker-data-base-port", type=int, default=51100,
+                    help="worker i's TCP data plane listens on base + i (0: each picks a free port)")
     up.add_argument("--port", type=int, default=8000, help="OpenAI HTTP port (also vLLM's and the plugin's /metrics)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker")
@@ -85,6 +87,7 @@ def up(a: argparse.Namespace) -> int:
         run_dir=a.run_dir,
         worker_threads=a.worker_threads,
         worker_metrics_base_port=a.worker_metrics_base_port,
+        worker_data_base_port=a.worker_data_base_port,
         data_plane=a.data_plane,
         pingpong_microbatches=a.pingpong_microbatches,
         vllm_args=tuple(vllm_args),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -36,6 +37,7 @@ class ClusterSpec:
     run_dir: Path
     worker_threads: int
     worker_metrics_base_port: int
+    worker_data_base_port: int = 0  # worker i's TCP data plane listens on base + i; 0: each picks a free port
     data_plane: str = "auto"  # how rows travel to the workers (attention_server --data-plane)
     pingpong_microbatches: int = 1  # attention_server --pingpong-microbatches
     vllm_args: tuple[str, ...] = ()
@@ -73,6 +75,7 @@ class ClusterSpec:
             "--port", str(self.worker_base_port + index),
             "--num-threads", str(self.worker_threads),
             "--metrics-port", str(self.worker_metrics_base_port + index),
+            "--data-port", str(self.worker_data_base_port and self.worker_data_base_port + index),
             *self.worker_args,
         ]  # fmt: skip
 
@@ -149,21 +152,29 @@ def wait_http_ready(base_url: str, procs: Iterable[subprocess.Popen], timeout_s:
     raise TimeoutError(f"{base_url} not ready after {timeout_s:.0f} s")
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """n ports free on `host` right now (the kernel's picks)."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind((host, 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def free_port_run(n: int, host: str = "127.0.0.1") -> int:
-    """A base port with base .. base + n - 1 all free on `host`, for processes listening on base + i."""
-    for _ in range(100):
-        (base,) = free_ports(1, host)
+    """A base port with base .. base + n - 1 all free on `host`, for processes listening on base + i.
+
+    The run lies below the kernel's ephemeral range: a port picked there can
+    only be taken by another explicit bind, never by a process that binds port
+    0 (a worker's TCP data plane, vLLM's sockets) or connects out between the
+    pick here and the listener's own bind.
+    """
+    low = 10000
+    high = _ephemeral_range()[0] - n
+    if high <= low:
+        raise RuntimeError(f"no room for {n} ports below the ephemeral range on {host}")
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(low, high)
         socks = []
         try:
             for port in range(base, base + n):
@@ -175,7 +186,26 @@ def free_port_run(n: int, host: str = "127.0.0.1") -> int:
         finally:
             for sock in socks:
                 sock.close()
-    raise RuntimeError(f"no {n} consecutive free ports on {host}")
+    raise RuntimeError(f"no {n} consecutive free ports below the ephemeral range on {host}")
+
+
+def free_worker_ports(num_workers: int, host: str = "127.0.0.1") -> dict[str, int]:
+    """ClusterSpec's three port bases (gRPC, metrics, data plane) from one free run, so none overlap."""
+    base = free_port_run(3 * num_workers, host)
+    return {
+        "worker_base_port": base,
+        "worker_metrics_base_port": base + num_workers,
+        "worker_data_base_port": base + 2 * num_workers,
+    }
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n ports free on `host` right now, below the ephemeral range (see free_port_run)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        if (port := free_port_run(1, host)) not in ports:
+            ports.append(port)
+    return ports
 
 
 def _alive(pid: int) -> bool:

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.launcher import free_port_run, free_ports, stop_pids  # noqa: F401 (tests import them from here)
+from cluster.launcher import free_ports, free_worker_ports, stop_pids  # noqa: F401 (tests import them from here)
 
 HOST = "127.0.0.1"
 # The CPU flags every vLLM in the tests runs with, stock or cluster.
@@ -126,6 +126,15 @@ def start_workers(procs: Processes, model: Path, num_workers: int, tag: str, ext
     for i, endpoint in enumerate(endpoints):
         wait_serving(endpoint, procs.procs[f"{tag}-worker-{i}"])
     return Workers(endpoints, procs, [f"http://{HOST}:{p}/metrics" for p in metrics_ports])
+
+
+def port_flags(ports: dict[str, int]) -> list[str]:
+    """`python -m cluster up` flags for free_worker_ports' bases."""
+    return [
+        "--worker-base-port", str(ports["worker_base_port"]),
+        "--worker-metrics-base-port", str(ports["worker_metrics_base_port"]),
+        "--worker-data-base-port", str(ports["worker_data_base_port"]),
+    ]  # fmt: skip
 
 
 def python_module(module: str, *args: str) -> list[str]:

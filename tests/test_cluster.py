@@ -52,8 +52,8 @@ from transformers import AutoTokenizer
 from cluster.launcher import wait_http_ready
 from protos.checkpoint import read_checkpoint
 from tests.support import (
-    HOST, MAX_TOKENS, PROMPTS, VLLM_CPU_ARGS, ClusterCounters, Generation, assert_workers_did_the_work, free_port_run, free_ports,
-    generate, python_module, scrape, token_id, total,
+    HOST, MAX_TOKENS, PROMPTS, VLLM_CPU_ARGS, ClusterCounters, Generation, assert_workers_did_the_work, free_ports, free_worker_ports,
+    generate, port_flags, python_module, scrape, token_id, total,
 )  # fmt: skip
 from tiny_models.w4a16 import quantize_experts
 
@@ -183,7 +183,7 @@ def cluster(request, model_dir, tmp_path_factory) -> Cluster:
     if case.w4a16:  # experts packed by another project's packer; stock gets the dequantized twin
         cluster_model, model = quantize_experts(model, logs / "w4a16", logs / "dequantized", 32, case.w4a16)
     http_stock, http_cluster = free_ports(2)
-    worker_base, metrics_base = free_port_run(NUM_WORKERS), free_port_run(NUM_WORKERS)
+    ports = free_worker_ports(NUM_WORKERS)
     # Flags after `--` follow `make up`'s CPU defaults and win: max-model-len 1024, not 2048.
     vllm_args = [*VLLM_CPU_ARGS, "--dtype", case.dtype, *case.vllm_args]
 
@@ -194,14 +194,14 @@ def cluster(request, model_dir, tmp_path_factory) -> Cluster:
     with open(logs / "cluster.log", "wb") as log:
         launcher = subprocess.Popen(
             python_module("cluster", "up", "--model", str(cluster_model), "--host", HOST, "--port", str(http_cluster),
-                          "--worker-base-port", str(worker_base), "--worker-metrics-base-port", str(metrics_base),
+                          *port_flags(ports),
                           *(("--data-plane", case.data_plane) if case.data_plane else ()), "--run-dir", str(logs / "run"),
                           "--pingpong-microbatches", str(case.pingpong),
                           "--", *vllm_args),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     base_url = f"http://{HOST}:{http_cluster}"
-    metrics_urls = [f"{base_url}/metrics"] + [f"http://{HOST}:{metrics_base + i}/metrics" for i in range(NUM_WORKERS)]
+    metrics_urls = [f"{base_url}/metrics"] + [f"http://{HOST}:{ports['worker_metrics_base_port'] + i}/metrics" for i in range(NUM_WORKERS)]
     try:
         wait_http_ready(base_url, [launcher], timeout_s=900)
         yield Cluster(name, case, model, _STOCK[key], base_url, launcher, metrics_urls, logs / "run")

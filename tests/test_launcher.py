@@ -15,7 +15,7 @@ from openai import OpenAI
 from cluster.launcher import wait_http_ready
 from protos.checkpoint import read_checkpoint
 from tests.support import (
-    HOST, VLLM_CPU_ARGS, ClusterCounters, assert_workers_did_the_work, free_port_run, free_ports, python_module,
+    HOST, VLLM_CPU_ARGS, ClusterCounters, assert_workers_did_the_work, free_ports, free_worker_ports, port_flags, python_module,
     scrape,
 )  # fmt: skip
 
@@ -27,10 +27,10 @@ NUM_WORKERS = 8
 def cluster_up(model, run_dir, *args: str) -> tuple[list[str], str, list[str]]:
     """(command, base url, metrics urls: the attention server's, then each worker's)."""
     (http,) = free_ports(1)
-    worker_base, metrics_base = free_port_run(NUM_WORKERS), free_port_run(NUM_WORKERS)
+    ports = free_worker_ports(NUM_WORKERS)
     cmd = python_module("cluster", "up", "--model", str(model), "--host", HOST, "--port", str(http),
-                        "--worker-base-port", str(worker_base), "--worker-metrics-base-port", str(metrics_base),
-                        "--run-dir", str(run_dir), *args)  # fmt: skip
+                        *port_flags(ports), "--run-dir", str(run_dir), *args)  # fmt: skip
+    metrics_base = ports["worker_metrics_base_port"]
     base_url = f"http://{HOST}:{http}"
     return cmd, base_url, [f"{base_url}/metrics"] + [f"http://{HOST}:{metrics_base + i}/metrics" for i in range(NUM_WORKERS)]
 
