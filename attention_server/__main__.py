@@ -7,16 +7,17 @@ plugin stays off and this is stock vLLM.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
 from attention_server.config import (
-    DATA_PLANES, DEFAULT_REQUEST_TIMEOUT_S, MAX_MICROBATCHES, AttentionConfig, share_metrics_across_processes,
+    DATA_PLANES, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_WORKER_LOSS_TIMEOUT_S, MAX_MICROBATCHES, AttentionConfig,
+    share_metrics_across_processes,
 )  # fmt: skip
 from attention_server.handshake import WorkerMismatchError, check_workers
-from attention_server.transport import factory
-from attention_server.transport.factory import PlaneUnavailable
 from protos.checkpoint import CheckpointError, read_checkpoint
+from protos.placement import replicas_flag
 
 logger = logging.getLogger("attention_server")
 
@@ -29,6 +30,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--worker-ready-timeout", type=float, default=120.0, help="seconds to wait for each worker at start")
     p.add_argument("--data-plane", choices=DATA_PLANES, default="auto",
                    help="how routed rows travel: auto (shared memory on this host, TCP across hosts), shm, tcp, grpc")
+    p.add_argument("--expert-replicas", type=replicas_flag, default=None, metavar="R|auto",
+                   help="workers holding each expert (as the workers were started with); auto (default): what they hold")
+    p.add_argument("--worker-loss-timeout", type=float, default=DEFAULT_WORKER_LOSS_TIMEOUT_S, metavar="S",
+                   help="when every worker holding some experts is lost, steps wait this long for one to come back, "
+                        "then fail naming it and /health turns unhealthy")
     p.add_argument("--pingpong-microbatches", type=int, default=1, metavar="M",
                    help=f"run steps of at least M requests as M micro-batches (1 to {MAX_MICROBATCHES}) whose attention "
                         "overlaps the others' experts; 1: off")
@@ -73,21 +79,28 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ours, vllm_argv = parse_args(sys.argv[1:] if argv is None else argv)
     if ours.expert_endpoints:
+        # The plugin's counters live in vLLM's engine process; this joins them to vLLM's /metrics.
+        # First: nothing may import prometheus_client before it (the transport's metrics do).
+        metrics_dir = share_metrics_across_processes()  # noqa: F841 (kept alive until exit)
+        from attention_server.transport import factory
+        from attention_server.transport.factory import PlaneUnavailable
+
         try:
             cfg = AttentionConfig.from_flags(ours.expert_endpoints, ours.expert_timeout, ours.data_plane,
-                                             ours.pingpong_microbatches)  # fmt: skip
+                                             ours.pingpong_microbatches, ours.expert_replicas,
+                                             ours.worker_loss_timeout)  # fmt: skip
             vllm_argv += pingpong_worker_args(cfg.pingpong_microbatches, vllm_argv)
             ckpt = read_checkpoint(ours.model)
-            infos = check_workers(cfg.expert_endpoints, ckpt, ours.worker_ready_timeout)
+            infos, placement = check_workers(cfg.expert_endpoints, ckpt, ours.worker_ready_timeout, cfg.expert_replicas)
+            cfg = dataclasses.replace(cfg, expert_replicas=placement.replicas)
             # Refuse now, not in vLLM's engine, when a worker lacks the plane asked for; logs each choice.
-            factory.connect(cfg.expert_endpoints, infos, cfg.data_plane, cfg.request_timeout_s).close()
+            factory.connect(cfg.expert_endpoints, infos, cfg.data_plane, cfg.request_timeout_s, placement).close()
         except (ValueError, CheckpointError, WorkerMismatchError, PlaneUnavailable) as err:
             logger.error("refusing to start: %s", err)
             raise SystemExit(2) from None
         cfg.publish()
-        # The plugin's counters live in vLLM's engine process; this joins them to vLLM's /metrics.
-        metrics_dir = share_metrics_across_processes()  # noqa: F841 (kept alive until exit)
-        logger.info("%d expert workers match %s; starting vLLM", len(cfg.expert_endpoints), ours.model)
+        logger.info("%d expert workers match %s, every expert on %d of them; starting vLLM", len(cfg.expert_endpoints),
+                    ours.model, cfg.expert_replicas)  # fmt: skip
     serve_vllm(vllm_argv)
 
 

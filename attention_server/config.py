@@ -15,9 +15,12 @@ ENDPOINTS_ENV = "HETERO_MOE_EXPERT_ENDPOINTS"
 TIMEOUT_ENV = "HETERO_MOE_REQUEST_TIMEOUT_S"
 DATA_PLANE_ENV = "HETERO_MOE_DATA_PLANE"
 PINGPONG_ENV = "HETERO_MOE_PINGPONG_MICROBATCHES"
+REPLICAS_ENV = "HETERO_MOE_EXPERT_REPLICAS"
+WORKER_LOSS_ENV = "HETERO_MOE_WORKER_LOSS_TIMEOUT_S"
 MAX_MICROBATCHES = 4
 DATA_PLANES = ("auto", "shm", "tcp", "grpc")
 DEFAULT_REQUEST_TIMEOUT_S = 60.0
+DEFAULT_WORKER_LOSS_TIMEOUT_S = 60.0
 PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
@@ -30,12 +33,14 @@ def parse_endpoint(text: str) -> tuple[str, int]:
 
 @dataclass(frozen=True, slots=True)
 class AttentionConfig:
-    """expert_endpoints[i] serves worker i of the contiguous placement."""
+    """expert_endpoints[i] serves worker i of the placement (protos/placement.py)."""
 
     expert_endpoints: tuple[str, ...]
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     data_plane: str = "auto"  # auto: shared memory on this host, TCP across hosts, else the gRPC stream
     pingpong_microbatches: int = 1  # m: steps of at least m requests run as m micro-batches in ping-pong
+    expert_replicas: int | None = None  # R: workers holding each shard; None: what the workers hold
+    worker_loss_timeout_s: float = DEFAULT_WORKER_LOSS_TIMEOUT_S  # a shard with no live replica waits this long
 
     def __post_init__(self) -> None:
         if not self.expert_endpoints:
@@ -50,12 +55,18 @@ class AttentionConfig:
             raise ValueError(f"data plane {self.data_plane!r} is not one of {DATA_PLANES}")
         if not 1 <= self.pingpong_microbatches <= MAX_MICROBATCHES:
             raise ValueError(f"ping-pong micro-batches must be 1 to {MAX_MICROBATCHES}, got {self.pingpong_microbatches}")
+        workers = len(self.expert_endpoints)
+        if self.expert_replicas is not None and not 1 <= self.expert_replicas <= workers:
+            raise ValueError(f"expert replicas must be 1 to {workers} (the number of workers), got {self.expert_replicas}")
+        if not self.worker_loss_timeout_s >= 0:
+            raise ValueError(f"worker loss timeout must be >= 0 s, got {self.worker_loss_timeout_s}")
 
     @classmethod
     def from_flags(cls, endpoints: str, request_timeout_s: float, data_plane: str = "auto",
-                   pingpong_microbatches: int = 1) -> AttentionConfig:  # fmt: skip
+                   pingpong_microbatches: int = 1, expert_replicas: int | None = None,
+                   worker_loss_timeout_s: float = DEFAULT_WORKER_LOSS_TIMEOUT_S) -> AttentionConfig:  # fmt: skip
         return cls(tuple(e.strip() for e in endpoints.split(",") if e.strip()), request_timeout_s, data_plane,
-                   pingpong_microbatches)  # fmt: skip
+                   pingpong_microbatches, expert_replicas, worker_loss_timeout_s)  # fmt: skip
 
     @classmethod
     def from_env(cls) -> AttentionConfig | None:
@@ -63,9 +74,11 @@ class AttentionConfig:
         endpoints = os.environ.get(ENDPOINTS_ENV, "")
         if not endpoints:
             return None
+        replicas = os.environ.get(REPLICAS_ENV)
         return cls.from_flags(
             endpoints, float(os.environ.get(TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT_S)), os.environ.get(DATA_PLANE_ENV, "auto"),
-            int(os.environ.get(PINGPONG_ENV, 1)),
+            int(os.environ.get(PINGPONG_ENV, 1)), int(replicas) if replicas else None,
+            float(os.environ.get(WORKER_LOSS_ENV, DEFAULT_WORKER_LOSS_TIMEOUT_S)),
         )  # fmt: skip
 
     def publish(self) -> None:
@@ -74,6 +87,11 @@ class AttentionConfig:
         os.environ[TIMEOUT_ENV] = repr(self.request_timeout_s)
         os.environ[DATA_PLANE_ENV] = self.data_plane
         os.environ[PINGPONG_ENV] = str(self.pingpong_microbatches)
+        os.environ[WORKER_LOSS_ENV] = repr(self.worker_loss_timeout_s)
+        if self.expert_replicas is None:
+            os.environ.pop(REPLICAS_ENV, None)
+        else:
+            os.environ[REPLICAS_ENV] = str(self.expert_replicas)
 
 
 def share_metrics_across_processes() -> tempfile.TemporaryDirectory | None:

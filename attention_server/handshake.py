@@ -18,9 +18,8 @@ class WorkerMismatchError(RuntimeError):
     """A worker is unreachable or holds something other than what the placement needs."""
 
 
-def expected_differences(info: pb.InfoResponse, ckpt: MoeCheckpoint, worker: int, num_workers: int) -> list[str]:
+def expected_differences(info: pb.InfoResponse, ckpt: MoeCheckpoint, worker: int, placement: Placement) -> list[str]:
     """Human-readable differences between a worker's Info and what worker `worker` must hold."""
-    start, end = Placement(ckpt.num_experts, num_workers).expert_range(worker)
     held = [(r.start, r.end) for r in info.expert_ranges]
     checks = [
         ("protocol version", info.protocol_version, PROTOCOL_VERSION),
@@ -30,8 +29,9 @@ def expected_differences(info: pb.InfoResponse, ckpt: MoeCheckpoint, worker: int
         ("number of experts", info.num_experts, ckpt.num_experts),
         ("hidden size", info.hidden_size, ckpt.hidden_size),
         ("worker index", info.worker_index, worker),
-        ("number of workers", info.num_workers, num_workers),
-        ("expert ranges", held, [(start, end)]),
+        ("number of workers", info.num_workers, placement.num_workers),
+        ("expert replicas", info.expert_replicas, placement.replicas),
+        ("expert ranges", held, placement.worker_ranges(worker)),
         ("activation", info.activation, ckpt.activation),
     ]
     diffs = [f"{what}: worker has {got}, expected {want}" for what, got, want in checks if got != want]
@@ -52,16 +52,26 @@ def fetch_info(worker: int, endpoint: str, ready_timeout_s: float) -> pb.InfoRes
             raise WorkerMismatchError(f"worker {worker} at {endpoint}: Info failed: {err.code().name}: {err.details()}") from None
 
 
-def check_workers(endpoints: tuple[str, ...], ckpt: MoeCheckpoint, ready_timeout_s: float) -> list[pb.InfoResponse]:
-    """Wait for each worker, then compare its Info; raise WorkerMismatchError naming every difference."""
-    infos, problems = [], []
+def check_workers(
+    endpoints: tuple[str, ...], ckpt: MoeCheckpoint, ready_timeout_s: float, replicas: int | None = None
+) -> tuple[list[pb.InfoResponse], Placement]:
+    """Wait for each worker, then compare its Info with the placement of `replicas` (None: the
+    first worker's); raise WorkerMismatchError naming every difference. Every expert is then held by
+    exactly R of the workers."""
+    infos, problems, placement = [], [], None
     for worker, endpoint in enumerate(endpoints):
         try:
             info = fetch_info(worker, endpoint, ready_timeout_s)
         except WorkerMismatchError as err:
             problems.append(str(err))
             continue
-        diffs = expected_differences(info, ckpt, worker, len(endpoints))
+        if placement is None:
+            try:
+                # A worker of another protocol reports no replicas; its version is named below.
+                placement = Placement(ckpt.num_experts, len(endpoints), replicas or info.expert_replicas or 1)
+            except ValueError as err:
+                raise WorkerMismatchError(f"worker {worker} at {endpoint}: {err}") from None
+        diffs = expected_differences(info, ckpt, worker, placement)
         problems += [f"worker {worker} at {endpoint}: {d}" for d in diffs]
         infos.append(info)
         if not diffs:
@@ -74,4 +84,4 @@ def check_workers(endpoints: tuple[str, ...], ckpt: MoeCheckpoint, ready_timeout
             f"expert workers do not match model {ckpt.path} (fingerprint {ckpt.fingerprint}):\n  "
             + "\n  ".join(problems)
         )
-    return infos
+    return infos, placement

@@ -4,7 +4,7 @@ The plugin runs in vLLM's engine process, not in the API server process that
 serves /metrics. `python -m attention_server` therefore turns on
 prometheus_client's multiprocess mode before vLLM starts (as vLLM does itself
 when it runs several API servers), and these series appear on vLLM's own
-/metrics beside its `vllm:` ones. Labels are bounded: worker index, MoE layer.
+/metrics beside its `vllm:` ones. Labels are bounded: worker index, MoE layer, cause.
 """
 from __future__ import annotations
 
@@ -41,6 +41,17 @@ TRANSPORT_PLANE = Gauge(
     "hetero_moe_transport_plane", "1 for the data plane that carries each worker's frames", ["worker", "plane"],
     multiprocess_mode="livemax",
 )
+WORKER_UP = Gauge("hetero_moe_transport_worker_up", "1 while an expert worker gets work, 0 while it is down",
+                  ["worker"], multiprocess_mode="livemax")  # fmt: skip
+WORKER_FAILURES = Counter(
+    "hetero_moe_transport_worker_failures", "Expert workers marked down, by cause (unavailable, deadline)", ["worker", "cause"]
+)
+FAILOVERS = Counter("hetero_moe_transport_failovers", "Slices re-sent to another replica, by the worker that took them",
+                    ["worker"])  # fmt: skip
+WORKER_DEADLINE = Gauge("hetero_moe_transport_deadline_seconds",
+                        "How long the attention node waits for each worker's answer before it fails over",
+                        ["worker"], multiprocess_mode="livemax")  # fmt: skip
+REJOINS = Counter("hetero_moe_transport_rejoins", "Expert workers put back after being down", ["worker"])
 
 
 @dataclass(slots=True)
@@ -75,10 +86,11 @@ class DispatchCounts:
             [DISPATCH_MESSAGES.labels(w), DISPATCH_ROWS.labels(w), DISPATCH_PAIRS.labels(w)] for w in workers
         ]
 
-    def add(self, layer: int, num_tokens: int, slices) -> None:
+    def add(self, layer: int, num_tokens: int, answered) -> None:
+        """answered: (worker, slice) of each request a worker computed."""
         self.routed[layer] = self.routed.get(layer, 0) + num_tokens
-        for part in slices:
-            sent = self.sent[part.worker]
+        for worker, part in answered:
+            sent = self.sent[worker]
             sent[0] += 1
             sent[1] += len(part.rows)
             sent[2] += part.num_pairs

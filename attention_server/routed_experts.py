@@ -5,19 +5,19 @@ One MoE layer, for a micro-batch of T tokens (H hidden, k experts per token):
     [vLLM router] topk_ids, topk_weights [T, k]
          │
          ▼
-    partition ──▶ DispatchPlan: per worker, unique rows [T_w] + (row, expert, weight) pairs
+    partition ──▶ DispatchPlan: per shard, unique rows [T_s] + (row, expert, weight) pairs
          │
          ▼
-    transport.send ─▶ a frame to each worker with pairs (none to idle ones) ─▶ Pending
-         │            over its data plane: shared memory,     │  workers: W4A16/bf16 experts,
-         │            TCP or a gRPC stream (transport/)       │  float32 sum over their experts
-    shared experts run here meanwhile (Qwen2-MoE)             │
+    transport.send ─▶ a frame per shard with pairs, to one   ─▶ Pending
+         │            of its replicas, over its data plane:   │  workers: W4A16/bf16 experts,
+         │            shared memory, TCP or a gRPC stream     │  float32 sum over the shard's
+    shared experts run here meanwhile (Qwen2-MoE)             │  experts
     dbo_yield: under ping-pong the next micro-batch's         │
          │     attention runs meanwhile (pingpong.py)         ▼
-    Pending.wait() ◀──────────────────────────── [T_w, H] float32 partials
-         │
+    Pending.wait() ◀──────────────────────────── [T_s, H] float32 partials
+         │         (a lost worker's slices go to another replica here)
          ▼
-    combine ────▶ float64 sum in worker order ──▶ [T, H] model dtype ──▶ vLLM adds shared output
+    combine ────▶ float64 sum in shard order ──▶ [T, H] model dtype ──▶ vLLM adds shared output
 
 Dispatch and combine are two opaque custom ops so that vLLM's compiled
 (Dynamo, fullgraph) forward can contain a network call; the dispatch op
@@ -51,11 +51,10 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from attention_server import metrics
 from attention_server.combine import combine
 from attention_server.config import AttentionConfig
-from attention_server.handshake import fetch_info
 from attention_server.partition import partition
 from attention_server.transport import factory
 from attention_server.vllm_internals import dbo_current_ubatch_id, dbo_yield
-from protos.placement import Placement
+from protos.checkpoint import MoeCheckpoint, read_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -67,24 +66,21 @@ class UnsupportedMoEError(ValueError):
 class ExpertPool:
     """This process's connections to the expert workers and the placement over them."""
 
-    def __init__(self, cfg: AttentionConfig, num_experts: int):
-        self.owners = Placement(num_experts, len(cfg.expert_endpoints)).owner_table()  # [E] worker per expert
-        # `python -m attention_server` checked every worker's Info before vLLM started; this
-        # process reads it again for the data planes each worker offers.
-        infos = [fetch_info(w, e, cfg.request_timeout_s) for w, e in enumerate(cfg.expert_endpoints)]
-        self.transport = factory.connect(cfg.expert_endpoints, infos, cfg.data_plane, cfg.request_timeout_s)
-        for channel in self.transport.channels:
-            metrics.TRANSPORT_PLANE.labels(str(channel.worker), channel.plane).set(1)
+    def __init__(self, cfg: AttentionConfig, ckpt: MoeCheckpoint):
+        # `python -m attention_server` checked every worker's Info before vLLM started and
+        # published the replicas they hold; this process reads Info again for the data planes.
+        self.transport = factory.connect_workers(cfg, ckpt)
+        self.shards = self.transport.placement.shard_table()  # [E] shard of each expert
         self.counts = metrics.DispatchCounts(len(cfg.expert_endpoints))
         self.times = metrics.StepTimes()  # published per step by the model runner (pingpong.py)
         self.last_layer = -1  # the step's last MoE layer publishes its counts
 
 
 @functools.cache
-def expert_pool(num_experts: int) -> ExpertPool:
+def expert_pool(model: str) -> ExpertPool:
     cfg = AttentionConfig.from_env()
     assert cfg is not None, "remote experts built while the plugin is off"
-    return ExpertPool(cfg, num_experts)
+    return ExpertPool(cfg, read_checkpoint(model))
 
 
 class RemoteExpertsMethod(FusedMoEMethodBase):
@@ -120,7 +116,8 @@ class RemoteRoutedExperts(RoutedExperts):
         if reasons := [name for name, present in unsupported.items() if present]:
             raise UnsupportedMoEError(f"{layer_name}: remote experts do not support {', '.join(reasons)}")
         self.layer_index = extract_layer_index(layer_name)
-        self.pool = expert_pool(self.global_num_experts)
+        self.pool = expert_pool(get_current_vllm_config().model_config.model)
+        assert len(self.pool.shards) == self.global_num_experts, (len(self.pool.shards), self.global_num_experts)
         self.pool.last_layer = max(self.pool.last_layer, self.layer_index)
         # Where the custom ops find this layer: vLLM's forward context, as for its own layers.
         self.op_key = f"{layer_name}.remote_experts"
@@ -153,9 +150,8 @@ class RemoteRoutedExperts(RoutedExperts):
         return torch.ops.hetero_moe.combine(token, x, self.op_key)
 
     def send(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        plan = partition(topk_ids, topk_weights, self.pool.owners)
+        plan = partition(topk_ids, topk_weights, self.pool.shards)
         self.pool.transport.send(self.layer_index, dbo_current_ubatch_id(), x, plan)
-        self.pool.counts.add(self.layer_index, plan.num_tokens, plan.slices)
 
     def receive(self, x: torch.Tensor) -> torch.Tensor:
         # Under ping-pong the next micro-batch runs its attention while this one's rows are out.
@@ -164,6 +160,8 @@ class RemoteRoutedExperts(RoutedExperts):
         start = time.perf_counter()
         partials = pending.wait()
         waited = time.perf_counter()
+        self.pool.counts.add(self.layer_index, pending.plan.num_tokens,
+                             [(call.worker, part) for call, part in zip(pending.calls, pending.plan.slices)])  # fmt: skip
         out = combine(pending.plan, partials, x.shape[1], x.dtype).to(x.device)
         self.pool.times.expert_wait_s += waited - start
         self.pool.times.combine_s += time.perf_counter() - waited

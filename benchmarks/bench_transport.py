@@ -382,8 +382,9 @@ def gpu_layers(logs: Path) -> dict:
                 procs[i] = subprocess.Popen(spec.worker_command(i), stdout=f, stderr=subprocess.STDOUT,
                                             start_new_session=True)  # fmt: skip
         infos = [fetch_info(w, e, 900) for w, e in enumerate(spec.endpoints)]
-        transport = factory.connect(tuple(spec.endpoints), infos, "auto", 120)
-        owners = Placement(ckpt.num_experts, NUM_WORKERS).owner_table()
+        placement = Placement(ckpt.num_experts, NUM_WORKERS, infos[0].expert_replicas)
+        transport = factory.connect(tuple(spec.endpoints), infos, "auto", 120, placement)
+        shards = placement.shard_table()
         g = torch.Generator().manual_seed(0)
         x = torch.randn(GPU_TOKENS, ckpt.hidden_size, generator=g).to(torch.bfloat16)
         phases = {"partition": [], "send": [], "wait": [], "combine": [], "round_trip": [], "compute": []}
@@ -394,7 +395,7 @@ def gpu_layers(logs: Path) -> dict:
             for layer in ckpt.moe_layers:
                 weights, ids = torch.softmax(torch.randn(GPU_TOKENS, ckpt.num_experts, generator=g), -1).topk(ckpt.top_k, -1)
                 t0 = time.perf_counter()
-                plan = partition(ids.to(torch.int32), weights, owners)
+                plan = partition(ids.to(torch.int32), weights, shards)
                 t1 = time.perf_counter()
                 transport.send(layer, 0, x, plan)
                 t2 = time.perf_counter()

@@ -1,7 +1,8 @@
-"""python -m expert_server --model DIR --worker-index i --num-workers W --port P
+"""python -m expert_server --model DIR --worker-index i --num-workers W --port P [--expert-replicas R]
 
-Loads experts [i*E/W, (i+1)*E/W) of every MoE layer and serves them over gRPC
-(grpc.aio on uvloop), with the standard health service and reflection.
+Loads shard i of every MoE layer (experts [i*E/W, (i+1)*E/W)) and, with R > 1,
+the R-1 shards before it round the ring (protos/placement.py), and serves them
+over gRPC (grpc.aio on uvloop), with the standard health service and reflection.
 """
 from __future__ import annotations
 
@@ -18,19 +19,19 @@ from grpc_reflection.v1alpha import reflection
 
 from expert_server import metrics
 from expert_server.config import WorkerConfig
-from expert_server.experts import LocalExperts
+from expert_server.experts import HeldShard, LocalExperts
 from expert_server.servicer import ExpertServicer
 from expert_server.transport.handler import ExpertHandler
 from expert_server.transport.base import ReplyDelayConfig
 from expert_server.transport.shm import ShmPlane
 from expert_server.transport.tcp import TcpPlane
-from expert_server.weights import load_shard
+from expert_server.weights import free_memory_per_worker, load_shard
 from protos import GRPC_OPTIONS
 from protos import expert_pb2 as pb
 from kernels.formats import FormatMismatch, UnsupportedQuantization
 from kernels.oracle import BackendUnavailable
 from protos.checkpoint import CheckpointError, read_checkpoint
-from protos.placement import Placement
+from protos.placement import Placement, choose_replicas
 
 logger = logging.getLogger("expert_server")
 
@@ -44,11 +45,20 @@ async def serve(cfg: WorkerConfig) -> None:
         metrics.serve_metrics(cfg.host, cfg.metrics_port)
     metrics.UP.set(0)
     ckpt = read_checkpoint(cfg.model)
-    start, end = Placement(ckpt.num_experts, cfg.num_workers).expert_range(cfg.worker_index)
     device = torch.device(cfg.device)
-    shard = load_shard(ckpt, start, end, device, cfg.weight_format, cfg.kernel_backend, cfg.group_size)
+    replicas = cfg.expert_replicas
+    if replicas is None:
+        replicas, reason = choose_replicas(ckpt.expert_bytes, cfg.num_workers, free_memory_per_worker(device, cfg.num_workers))
+        logger.info("expert replicas: %d (auto: %s)", replicas, reason)
+    placement = Placement(ckpt.num_experts, cfg.num_workers, replicas)
+    shards = []
+    for start, end in placement.worker_ranges(cfg.worker_index):
+        loaded = load_shard(ckpt, start, end, device, cfg.weight_format, cfg.kernel_backend, cfg.group_size)
+        shards.append(HeldShard(start, end, loaded))
+    experts = LocalExperts(ckpt, shards, device)
+    held = ", ".join(f"[{start}, {end})" for start, end in experts.ranges)
     delay = ReplyDelayConfig(cfg.bench_reply_delay_ms / 1e3, cfg.bench_reply_delay_us_per_row / 1e6)
-    handler = ExpertHandler(LocalExperts(ckpt, start, end, shard, device), delay)
+    handler = ExpertHandler(experts, delay)
     metrics.BENCH_REPLY_DELAY.labels("fixed").set(delay.fixed_s)
     metrics.BENCH_REPLY_DELAY.labels("per_row").set(delay.per_row_s)
     if delay:
@@ -59,12 +69,13 @@ async def serve(cfg: WorkerConfig) -> None:
         planes.append(TcpPlane(handler, cfg.host, cfg.data_port))
     if "shm" in cfg.data_planes:
         planes.append(ShmPlane(handler))
-    servicer = ExpertServicer(handler, cfg.worker_index, cfg.num_workers, [p.advertise() for p in planes])
+    servicer = ExpertServicer(handler, cfg.worker_index, cfg.num_workers, replicas, [p.advertise() for p in planes])
     metrics.SHARD.info({
         "worker": str(cfg.worker_index),
-        "experts": f"[{start}, {end})",
-        "kernel_backend": shard.kernel_backend,
-        "weight_format": shard.weight_format,
+        "experts": held,
+        "replicas": str(replicas),
+        "kernel_backend": experts.kernel_backend,
+        "weight_format": experts.weight_format,
     })
 
     server = grpc.aio.server(options=GRPC_OPTIONS)
@@ -84,8 +95,8 @@ async def serve(cfg: WorkerConfig) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics.UP.set(1)
     logger.info(
-        "worker %d/%d serving experts [%d, %d) of %s on %s:%d; data planes: gRPC%s",
-        cfg.worker_index, cfg.num_workers, start, end, ckpt.model_type, cfg.host, port,
+        "worker %d/%d serving experts %s of %s on %s:%d; data planes: gRPC%s",
+        cfg.worker_index, cfg.num_workers, held, ckpt.model_type, cfg.host, port,
         "".join(f", {p.kind}" + (f" port {p.port}" if p.kind == "tcp" else "") for p in planes),
     )
 

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from protos.placement import replicas_flag
+
 WEIGHT_FORMATS = ("checkpoint", "w4a16")
 DATA_PLANES = ("tcp", "shm")  # offered besides gRPC, which every worker serves
 CPU_SCHEDULING = ("batch", "normal")
@@ -18,6 +20,7 @@ class WorkerConfig:
     worker_index: int
     num_workers: int
     port: int
+    expert_replicas: int | None = None  # R: workers holding each shard (protos/placement.py); None: 2 if they fit
     host: str = "127.0.0.1"
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
@@ -38,6 +41,8 @@ class WorkerConfig:
             raise ValueError(f"--num-workers must be >= 1, got {self.num_workers}")
         if not 0 <= self.worker_index < self.num_workers:
             raise ValueError(f"--worker-index {self.worker_index} is outside [0, {self.num_workers})")
+        if self.expert_replicas is not None and not 1 <= self.expert_replicas <= self.num_workers:
+            raise ValueError(f"--expert-replicas must be 1 to {self.num_workers} (--num-workers), got {self.expert_replicas}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port {self.port} is not a TCP port")
         if self.weight_format not in WEIGHT_FORMATS:
@@ -66,6 +71,10 @@ class WorkerConfig:
         p.add_argument("--worker-index", type=int, required=True)
         p.add_argument("--num-workers", type=int, required=True)
         p.add_argument("--port", type=int, required=True, help="gRPC port (0 picks a free one)")
+        p.add_argument("--expert-replicas", type=replicas_flag, default=None, metavar="R|auto",
+                       help="hold R shards (this worker's and the R-1 before it, round the ring) so that every expert "
+                            "lives on R workers; auto (default): 2 where two shards fit in memory, else 1. Every "
+                            "worker and the attention server must agree.")
         p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
         p.add_argument("--device", default="cpu", help="torch device for the experts")
         p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
@@ -93,6 +102,7 @@ class WorkerConfig:
             worker_index=a.worker_index,
             num_workers=a.num_workers,
             port=a.port,
+            expert_replicas=a.expert_replicas,
             host=a.host,
             device=a.device,
             num_threads=a.num_threads,

@@ -19,7 +19,8 @@ from protos.frames import HEADER, Header
 
 
 class ExpertServicer:
-    def __init__(self, handler: ExpertHandler, worker_index: int, num_workers: int, data_planes: list[pb.DataPlane]):
+    def __init__(self, handler: ExpertHandler, worker_index: int, num_workers: int, expert_replicas: int,
+                 data_planes: list[pb.DataPlane]):  # fmt: skip
         self.handler = handler
         experts = handler.experts
         ckpt = experts.ckpt
@@ -33,10 +34,11 @@ class ExpertServicer:
             hidden_size=ckpt.hidden_size,
             worker_index=worker_index,
             num_workers=num_workers,
-            expert_ranges=[pb.ExpertRange(start=experts.start, end=experts.end)],
+            expert_ranges=[pb.ExpertRange(start=start, end=end) for start, end in experts.ranges],
+            expert_replicas=expert_replicas,
             activation_dtype=codec.wire_dtype(ckpt.dtype),
-            weight_format=experts.shard.weight_format,
-            kernel_backend=experts.shard.kernel_backend,
+            weight_format=experts.weight_format,
+            kernel_backend=experts.kernel_backend,
             activation=ckpt.activation,
             data_planes=data_planes,
         )

@@ -20,6 +20,7 @@ from kernels.oracle import BackendUnavailable, choose_backend
 from kernels.reference import DenseExpertWeights
 from expert_server.config import WEIGHT_FORMATS
 from protos.checkpoint import MoeCheckpoint
+from protos.placement import available_host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,14 @@ class LoadedShard:
     layers: dict[int, PreparedExperts]
     kernel_backend: str
     weight_format: str
+
+
+def free_memory_per_worker(device: torch.device, num_workers: int) -> int:
+    """Bytes this worker may fill: the GPU's free memory, or on CPU the host's available memory
+    split over the workers (which a CPU cluster runs on one host)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_host_memory() // num_workers
 
 
 def load_shard(

@@ -1,8 +1,10 @@
 """The contract between the pools: wire schema, tensor codec, placement, checkpoint identity."""
 
-# Bump with the proto package version (hetero_moe.expert.v2) on incompatible changes.
+# Bump on incompatible changes. The proto package (hetero_moe.expert.v2) moves only when the
+# RPCs themselves change, so that a peer of another version still reads Info and is told this.
 # 2: data planes (frames over TCP, shared memory and a gRPC stream) advertised in Info.
-PROTOCOL_VERSION = 2
+# 3: replicated placement: a worker holds R shards (Info.expert_replicas, Info.expert_ranges).
+PROTOCOL_VERSION = 3
 
 # gRPC's default 4 MiB message cap is far below one prefill micro-batch
 # (2048 tokens x 4096 hidden x bf16 = 16 MiB); both ends raise it to this.

@@ -79,6 +79,7 @@ class MoeCheckpoint:
     naming: ExpertNaming
     files: tuple[Path, ...]
     fingerprint: str
+    expert_bytes: int  # stored bytes of the routed experts' projection weights, all layers (scales aside)
 
 
 def _read_header(path: Path) -> tuple[bytes, int]:
@@ -124,11 +125,14 @@ def read_checkpoint(path: str | Path) -> MoeCheckpoint:
 
     pattern = naming.pattern()
     experts_by_layer: dict[int, set[int]] = {}
+    expert_bytes = 0
     for file in files:
         header, _ = _read_header(file)
-        for name in json.loads(header):
+        for name, entry in json.loads(header).items():
             if m := pattern.match(name):
                 experts_by_layer.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+                start, end = entry["data_offsets"]
+                expert_bytes += end - start
     if not experts_by_layer:
         raise CheckpointError(f"{path} has no routed expert tensors named like {naming.name(0, 0, naming.gate)!r}")
 
@@ -156,4 +160,5 @@ def read_checkpoint(path: str | Path) -> MoeCheckpoint:
         naming=naming,
         files=files,
         fingerprint=_fingerprint(config_bytes, files),
+        expert_bytes=expert_bytes,
     )

@@ -4,7 +4,7 @@ The TCP, shared-memory and gRPC-stream planes carry the same frames; with protos
 (the protobuf twin) this is the only code that turns tensors into bytes and back.
 
     header (little-endian, HEADER.size bytes)
-      magic u32, version u16, kind u16, request u64, layer u32, micro_batch u32,
+      magic u32, version u16, kind u16, request u64, layer u32, slot u32,
       rows u32, hidden u32, pairs u32, dtype u16, status u16, payload u64, compute_ns u64
     FORWARD  payload: hidden [rows, hidden] `dtype` | pair_rows [pairs] int32 |
                       pair_experts [pairs] int32 | pair_weights [pairs] float32
@@ -69,7 +69,7 @@ class Header(NamedTuple):
     kind: Kind
     request: int
     layer: int = 0
-    micro_batch: int = 0
+    slot: int = 0  # the sender's buffer for this frame and its reply (shared memory: its segment)
     rows: int = 0
     hidden: int = 0
     pairs: int = 0
@@ -127,10 +127,10 @@ class ForwardTensors:
     pair_weights: torch.Tensor
 
 
-def forward_header(request: int, layer: int, micro_batch: int, rows: int, width: int, dtype: torch.dtype,
+def forward_header(request: int, layer: int, slot: int, rows: int, width: int, dtype: torch.dtype,
                    pairs: int) -> Header:  # fmt: skip
     payload = rows * width * dtype.itemsize + pairs * _PAIR_BYTES
-    return Header(Kind.FORWARD, request, layer, micro_batch, rows, width, pairs, codec.wire_dtype(dtype), payload=payload)
+    return Header(Kind.FORWARD, request, layer, slot, rows, width, pairs, codec.wire_dtype(dtype), payload=payload)
 
 
 def forward_parts(x: torch.Tensor, rows: torch.Tensor, pairs: torch.Tensor) -> list[memoryview]:

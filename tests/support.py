@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -96,6 +97,26 @@ class Workers:
     endpoints: list[str]
     procs: Processes
     metrics_urls: list[str]
+    commands: list[list[str]]
+    names: list[str]  # each worker's current process in `procs`
+
+    def process(self, i: int) -> subprocess.Popen:
+        return self.procs.procs[self.names[i]]
+
+    def kill(self, i: int) -> None:
+        proc = self.process(i)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def restart(self, i: int, model: Path | None = None) -> subprocess.Popen:
+        """Worker i again, on its ports (holding `model` instead, when given); returns once it serves."""
+        cmd = list(self.commands[i])
+        if model is not None:
+            cmd[cmd.index("--model") + 1] = str(model)
+        self.names[i] += "+"  # its own log
+        proc = self.procs.start(self.names[i], cmd)
+        wait_serving(self.endpoints[i], proc)
+        return proc
 
 
 def wait_serving(endpoint: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
@@ -112,20 +133,24 @@ def wait_serving(endpoint: str, proc: subprocess.Popen, timeout_s: float = 120.0
     raise TimeoutError(f"worker at {endpoint} not serving after {timeout_s} s")
 
 
-def start_workers(procs: Processes, model: Path, num_workers: int, tag: str, extra_args: tuple[str, ...] = ()) -> Workers:
-    """Real expert_server processes on loopback, one per worker index, each with /metrics."""
+def start_workers(procs: Processes, model: Path, num_workers: int, tag: str, extra_args: tuple[str, ...] = (),
+                  replicas: int = 1) -> Workers:  # fmt: skip
+    """Real expert_server processes on loopback, one per worker index, each with /metrics, every
+    expert on `replicas` of them."""
     ports = free_ports(2 * num_workers)
     ports, metrics_ports = ports[:num_workers], ports[num_workers:]
-    endpoints = []
+    endpoints, commands = [], []
     for i, port in enumerate(ports):
-        procs.start(f"{tag}-worker-{i}", python_module(
+        commands.append(python_module(
             "expert_server", "--model", str(model), "--worker-index", str(i), "--num-workers", str(num_workers),
             "--host", HOST, "--port", str(port), "--metrics-port", str(metrics_ports[i]), "--num-threads", "1",
-            *extra_args))  # fmt: skip
+            "--expert-replicas", str(replicas), *extra_args))  # fmt: skip
+        procs.start(f"{tag}-worker-{i}", commands[-1])
         endpoints.append(f"{HOST}:{port}")
     for i, endpoint in enumerate(endpoints):
         wait_serving(endpoint, procs.procs[f"{tag}-worker-{i}"])
-    return Workers(endpoints, procs, [f"http://{HOST}:{p}/metrics" for p in metrics_ports])
+    return Workers(endpoints, procs, [f"http://{HOST}:{p}/metrics" for p in metrics_ports], commands,
+                   [f"{tag}-worker-{i}" for i in range(num_workers)])  # fmt: skip
 
 
 def port_flags(ports: dict[str, int]) -> list[str]:

@@ -47,7 +47,7 @@ def test_info_describes_the_shard(served):
     arch, ckpt, _, stubs = served
     for worker, stub in enumerate(stubs):
         info = stub.Info(pb.InfoRequest(), timeout=10)
-        start, end = Placement(ckpt.num_experts, NUM_WORKERS).expert_range(worker)
+        start, end = Placement(ckpt.num_experts, NUM_WORKERS).shard_range(worker)
         assert info.protocol_version == PROTOCOL_VERSION
         assert info.model_fingerprint == ckpt.fingerprint and info.model_type == arch
         assert list(info.moe_layers) == list(ckpt.moe_layers)
@@ -78,7 +78,7 @@ def test_partials_match_hf_transformers_experts(served):
     for layer in ckpt.moe_layers:
         hf_experts = hf.model.layers[layer].mlp.experts
         for worker, stub in enumerate(stubs):
-            start, end = placement.expert_range(worker)
+            start, end = placement.shard_range(worker)
             mine = (ids >= start) & (ids < end)
             rows, ks = mine.nonzero(as_tuple=True)
             response = stub.Forward(request_for(layer, x, rows, ids[rows, ks], weights[rows, ks]), timeout=30)
@@ -99,7 +99,7 @@ def assert_invalid(stub, request: pb.ForwardRequest, match: str) -> None:
 def test_bad_requests_are_refused_and_the_worker_keeps_serving(served):
     _, ckpt, _, stubs = served
     stub, layer, h = stubs[1], ckpt.moe_layers[0], ckpt.hidden_size
-    start, end = Placement(ckpt.num_experts, NUM_WORKERS).expert_range(1)
+    start, end = Placement(ckpt.num_experts, NUM_WORKERS).shard_range(1)
     x = torch.randn(3, h, dtype=torch.bfloat16)
     good = request_for(layer, x, [0, 1, 2], [start, start, end - 1], [0.5, 0.5, 1.0])
     before = scrape(served[2].metrics_urls[1])
@@ -107,7 +107,7 @@ def test_bad_requests_are_refused_and_the_worker_keeps_serving(served):
     assert_invalid(stub, request_for(layer, torch.randn(3, h + 1, dtype=torch.bfloat16), [0], [start], [1.0]), f"[T, {h}]")
     assert_invalid(stub, request_for(layer, x.to(torch.int64), [0], [start], [1.0]), "hidden dtype")
     assert_invalid(stub, request_for(ckpt.num_hidden_layers + 5, x, [0], [start], [1.0]), "not a MoE layer")
-    assert_invalid(stub, request_for(layer, x, [0], [0 if start else end], [1.0]), "outside this worker's")
+    assert_invalid(stub, request_for(layer, x, [0], [0 if start else end], [1.0]), "not within one of this worker's shards")
     assert_invalid(stub, request_for(layer, x, [0, 3], [start, start], [1.0, 1.0]), "pair_rows must lie in")
     assert_invalid(stub, request_for(layer, x, [0, 0], [start, start], [1.0, 1.0]), "more than once")
     assert_invalid(stub, request_for(layer, x, [0, 1], [start], [1.0, 1.0]), "differ in length")
@@ -137,7 +137,7 @@ def test_bad_requests_are_refused_and_the_worker_keeps_serving(served):
 
 def test_garbage_activations_like_vllm_profiling_are_accepted(served):
     _, ckpt, _, stubs = served
-    start, _ = Placement(ckpt.num_experts, NUM_WORKERS).expert_range(0)
+    start, _ = Placement(ckpt.num_experts, NUM_WORKERS).shard_range(0)
     x = torch.full((2048, ckpt.hidden_size), float("nan"), dtype=torch.bfloat16)
     rows = torch.arange(2048)
     response = stubs[0].Forward(request_for(ckpt.moe_layers[-1], x, rows, [start] * 2048, [1.0] * 2048), timeout=60)

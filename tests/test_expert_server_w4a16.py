@@ -56,7 +56,7 @@ def test_w4a16_partials_match_experts_quantized_by_compressed_tensors(quantized)
         return values.float() * scales.repeat_interleave(GROUP, dim=-1)  # [N, K]
 
     for worker, stub in enumerate(stubs):
-        start, end = placement.expert_range(worker)
+        start, end = placement.shard_range(worker)
         rows = torch.tensor([0, 1, 1, 2, 3, 4, 4])
         experts = torch.tensor([start, start, end - 1, start + 1, end - 1, start, start + 1])
         weights = torch.rand(7, generator=g)

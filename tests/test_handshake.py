@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from protos import PROTOCOL_VERSION
 from tests.support import HOST, Processes, free_ports, python_module, start_workers, wait_serving
 
 NUM_WORKERS = 4
@@ -72,7 +73,7 @@ def test_refuses_a_worker_of_another_protocol_version(model_dir, qwen3_workers, 
     """A real worker process of a future wire version (its PROTOCOL_VERSION raised before it starts)."""
     model = model_dir("qwen3_moe")
     (port,) = free_ports(1)
-    future = ("import runpy, sys, protos; protos.PROTOCOL_VERSION = 3; sys.argv[0] = 'expert_server'; "
+    future = ("import runpy, sys, protos; protos.PROTOCOL_VERSION += 1; sys.argv[0] = 'expert_server'; "
               "runpy.run_module('expert_server', run_name='__main__')")  # fmt: skip
     procs = Processes(tmp_path)
     try:
@@ -82,7 +83,7 @@ def test_refuses_a_worker_of_another_protocol_version(model_dir, qwen3_workers, 
         result = attention_server(model, [*qwen3_workers.endpoints[:3], f"{HOST}:{port}"])
     finally:
         procs.stop()
-    assert_refused(result, f"worker 3 at {HOST}:{port}: protocol version: worker has 3, expected 2")
+    assert_refused(result, f"worker 3 at {HOST}:{port}: protocol version: worker has {PROTOCOL_VERSION + 1}, expected {PROTOCOL_VERSION}")
 
 
 def test_refuses_swapped_shards(model_dir, qwen3_workers):

@@ -9,7 +9,7 @@ import torch
 
 from protos import codec
 from protos import expert_pb2 as pb
-from protos.placement import Placement
+from protos.placement import Placement, choose_replicas
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTOS_PYTHON = ROOT / ".venv-protos" / "bin" / "python"
@@ -60,13 +60,37 @@ def test_codec_refuses_wrong_byte_count_and_unknown_dtype():
 
 def test_placement_is_contiguous_and_covers_every_expert():
     p = Placement(128, 8)
-    assert [p.expert_range(w) for w in (0, 1, 7)] == [(0, 16), (16, 32), (112, 128)]
+    assert [p.shard_range(w) for w in (0, 1, 7)] == [(0, 16), (16, 32), (112, 128)]
     uneven = Placement(10, 4)
-    ranges = [uneven.expert_range(w) for w in range(4)]
+    ranges = [uneven.shard_range(w) for w in range(4)]
     assert ranges == [(0, 3), (3, 6), (6, 8), (8, 10)]
-    owners = uneven.owner_table()
-    assert [int(owners[e]) for e in range(10)] == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
+    shards = uneven.shard_table()
+    assert [int(shards[e]) for e in range(10)] == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
+    assert [uneven.worker_ranges(w) for w in range(4)] == [[r] for r in ranges], "R = 1: worker w holds shard w"
     with pytest.raises(ValueError, match="outside"):
-        p.expert_range(8)
+        p.shard_range(8)
     with pytest.raises(ValueError, match="cannot be spread"):
         Placement(4, 8)
+
+
+@pytest.mark.parametrize("workers, replicas", [(8, 2), (8, 3), (5, 2), (4, 4), (3, 1)])
+def test_replicas_hold_every_shard_on_r_distinct_workers(workers, replicas):
+    p = Placement(40, workers, replicas)
+    holders = {s: [w for w in range(workers) if s in p.worker_shards(w)] for s in range(workers)}
+    assert all(len(h) == replicas for h in holders.values()), holders
+    assert all(len(p.worker_shards(w)) == replicas for w in range(workers)), "every worker holds R shards"
+    for turn in range(2 * replicas):
+        order = {s: p.replica_workers(s, turn) for s in range(workers)}
+        assert all(sorted(o) == holders[s] for s, o in order.items()), "the order lists exactly the holders"
+        firsts = [o[0] for o in order.values()]
+        assert sorted(firsts) == list(range(workers)), f"turn {turn}: each worker is first for one shard"
+    assert {p.replica_workers(0, t)[0] for t in range(replicas)} == set(holders[0]), "turns rotate over every replica"
+    with pytest.raises(ValueError, match="expert replicas must be 1 to"):
+        Placement(40, workers, workers + 1)
+
+
+def test_default_replicas_are_two_where_they_fit():
+    assert choose_replicas(8 << 30, 8, 4 << 30)[0] == 2  # 1 GiB shards, 3.2 GiB usable
+    r, reason = choose_replicas(8 << 30, 8, 2 << 30)
+    assert r == 1 and "do not fit" in reason
+    assert choose_replicas(1 << 20, 1, 1 << 40)[0] == 1

@@ -30,10 +30,10 @@ def routing(seed: int, num_tokens: int = T) -> tuple[torch.Tensor, torch.Tensor]
 def test_partition_sends_each_pair_to_its_owner_once():
     ids, weights = routing(0)
     placement = Placement(E, W)
-    plan = partition(ids, weights, placement.owner_table())
+    plan = partition(ids, weights, placement.shard_table())
     seen = []
     for part in plan.slices:
-        start, end = placement.expert_range(part.worker)
+        start, end = placement.shard_range(part.shard)
         tokens = part.rows[part.pair_rows.long()]
         for t, e, w in zip(tokens.tolist(), part.pair_experts.tolist(), part.pair_weights.tolist()):
             assert start <= e < end
@@ -43,19 +43,19 @@ def test_partition_sends_each_pair_to_its_owner_once():
         assert torch.equal(part.rows, torch.unique(tokens)), "rows are exactly the tokens with pairs here"
     assert len(seen) == T * K, "every pair exactly once: none lost, none sent twice"
     assert sorted(seen) == sorted((t, e) for t in range(T) for e in ids[t].tolist())
-    workers = [s.worker for s in plan.slices]
-    assert all(a < b for a, b in zip(workers, workers[1:])), f"one slice per worker, ascending: {workers}"
+    shards = [s.shard for s in plan.slices]
+    assert all(a < b for a, b in zip(shards, shards[1:])), f"one slice per shard, ascending: {shards}"
 
 
 def test_idle_workers_get_no_slice():
     ids = torch.tensor([[0, 1], [1, 0], [2, 3]], dtype=torch.int32)  # experts 0..3 live on workers 0 and 1
-    plan = partition(ids, torch.full((3, 2), 0.5), Placement(E, W).owner_table())
-    assert [s.worker for s in plan.slices] == [0, 1]
+    plan = partition(ids, torch.full((3, 2), 0.5), Placement(E, W).shard_table())
+    assert [s.shard for s in plan.slices] == [0, 1]
 
 
 def test_combine_is_the_float64_sum_in_worker_order():
     ids, weights = routing(1)
-    plan = partition(ids, weights, Placement(E, W).owner_table())
+    plan = partition(ids, weights, Placement(E, W).shard_table())
     g = torch.Generator().manual_seed(2)
     partials = [torch.randn(len(s.rows), H, generator=g) * 1e3 for s in plan.slices]
 
@@ -73,10 +73,10 @@ def test_split_over_workers_equals_one_process_moe():
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     experts = DenseExpertWeights(torch.randn(E, 2 * I, H, generator=g) / 8, torch.randn(E, H, I, generator=g) / 8)
     placement = Placement(E, W)
-    plan = partition(ids, weights, placement.owner_table())
+    plan = partition(ids, weights, placement.shard_table())
     partials = []
     for part in plan.slices:
-        start, end = placement.expert_range(part.worker)
+        start, end = placement.shard_range(part.shard)
         shard = DenseExpertWeights(experts.w13[start:end], experts.w2[start:end])
         partials.append(moe_experts_reference(
             x[part.rows], part.pair_rows.long(), part.pair_experts.long() - start, part.pair_weights, shard))  # fmt: skip
@@ -119,10 +119,10 @@ def test_answers_arriving_in_reverse_order_are_combined_in_worker_order():
         server.start()
         servers.append(server)
         channels.append(GrpcStreamChannel(w, f"{HOST}:{port}", timeout_s=30))
-    transport = ExpertTransport(channels)
+    transport = ExpertTransport(channels, Placement(3, 3))
     try:
         ids = torch.tensor([[0, 1, 2]], dtype=torch.int32)  # one token, one expert on each of workers 0, 1, 2
-        plan = partition(ids, torch.ones(1, 3), owners=np.array([0, 1, 2]))
+        plan = partition(ids, torch.ones(1, 3), shards=np.array([0, 1, 2]))
         transport.send(layer=0, micro_batch=0, x=torch.zeros(1, H, dtype=torch.bfloat16), plan=plan)
         partials = transport.take(layer=0, micro_batch=0).wait()
         out = combine(plan, partials, H, torch.float32)

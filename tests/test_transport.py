@@ -21,7 +21,7 @@ from attention_server.handshake import fetch_info
 from attention_server.partition import partition
 from attention_server.transport.base import Cause, ExpertTransport, ExpertWorkerError
 from attention_server.transport.factory import PlaneUnavailable, open_channel
-from protos import GRPC_OPTIONS, codec, frames
+from protos import GRPC_OPTIONS, PROTOCOL_VERSION, codec, frames
 from protos import expert_pb2 as pb
 from protos import expert_pb2_grpc as pb_grpc
 from protos.checkpoint import read_checkpoint
@@ -50,22 +50,24 @@ def infos(workers):
 
 
 def transport_for(workers, infos, plane: str, timeout_s: float = 30) -> ExpertTransport:
+    """One replica per shard, and a lost worker fails the layer at once (failover: test_failover.py)."""
     return ExpertTransport([open_channel(w, e, info, plane, timeout_s)
-                            for w, (e, info) in enumerate(zip(workers.endpoints, infos))])  # fmt: skip
+                            for w, (e, info) in enumerate(zip(workers.endpoints, infos))],
+                           Placement(infos[0].num_experts, len(infos)), loss_timeout_s=0)  # fmt: skip
 
 
 def routing(ckpt, num_tokens: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, ckpt.hidden_size, generator=g).to(torch.bfloat16)
     weights, ids = torch.softmax(torch.randn(num_tokens, ckpt.num_experts, generator=g), -1).topk(ckpt.top_k, dim=-1)
-    return x, partition(ids.to(torch.int32), weights, Placement(ckpt.num_experts, NUM_WORKERS).owner_table())
+    return x, partition(ids.to(torch.int32), weights, Placement(ckpt.num_experts, NUM_WORKERS).shard_table())
 
 
 def unary_partials(workers, layer, x, plan) -> list[torch.Tensor]:
     """The same work through the unary protobuf Forward: the reference every plane must equal."""
     partials = []
     for part in plan.slices:
-        with grpc.insecure_channel(workers.endpoints[part.worker], options=GRPC_OPTIONS) as channel:
+        with grpc.insecure_channel(workers.endpoints[part.shard], options=GRPC_OPTIONS) as channel:
             request = request_for(layer, x[part.rows], part.pair_rows, part.pair_experts, part.pair_weights)
             partials.append(codec.decode(pb_grpc.ExpertServiceStub(channel).Forward(request, timeout=30).partial))
     return partials
@@ -74,7 +76,7 @@ def unary_partials(workers, layer, x, plan) -> list[torch.Tensor]:
 def test_workers_advertise_their_planes(infos):
     for info in infos:
         assert {p.kind for p in info.data_planes} == {"tcp", "shm"}
-        assert info.protocol_version == 2
+        assert info.protocol_version == PROTOCOL_VERSION
 
 
 @pytest.mark.parametrize("plane", PLANES)

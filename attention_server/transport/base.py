@@ -1,7 +1,8 @@
 """The transport seam (in the shape of vllm-project/afd-plugin's connectors).
 
     ExpertTransport.send(layer, micro_batch, x, plan) -> Pending   never waits for a worker
-    Pending.wait() -> partials in plan order                       blocks; raises ExpertWorkerError
+    Pending.wait() -> partials in plan order                       blocks; fails over to replicas;
+                                                                   raises ExpertWorkerError
 
 One `Channel` per worker carries frames (protos/frames.py) over the data plane the factory
 chose for that worker (shared memory, TCP or a gRPC stream). In-flight work is keyed by
@@ -10,30 +11,42 @@ Errors are transport-neutral: every plane raises ExpertWorkerError with a Cause.
 """
 from __future__ import annotations
 
+import collections
 import enum
 import itertools
+import logging
 import socket
 import struct
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from attention_server.partition import DispatchPlan, WorkerSlice
+from attention_server import metrics
+from attention_server.config import MAX_MICROBATCHES
+from attention_server.partition import DispatchPlan, ShardSlice
 from protos.codec import CodecError
 from protos.frames import FrameError
+from protos.placement import Placement
+
+logger = logging.getLogger(__name__)
 
 
-def kernel_deadlines(sock: socket.socket, timeout_s: float) -> None:
+def kernel_deadlines(sock: socket.socket, send_s: float, receive_s: float) -> None:
     """Keep `sock` blocking (Python's own timeouts make it non-blocking with a poll before every
     call: twice the system calls, and a receive loop per chunk) and let the kernel bound each send
     and receive instead: one that waits longer raises BlockingIOError."""
-    seconds = int(timeout_s)
-    limit = struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6))
     sock.settimeout(None)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send_s))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(receive_s))
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
 
 
 class Cause(enum.Enum):
@@ -47,7 +60,11 @@ class ExpertWorkerError(RuntimeError):
 
     def __init__(self, worker: int, endpoint: str, cause: Cause, details: str, status: str | None = None):
         super().__init__(f"expert worker {worker} at {endpoint}: {status or cause.name}: {details}")
-        self.worker, self.endpoint, self.cause, self.status = worker, endpoint, cause, status
+        self.worker, self.endpoint, self.cause, self.details, self.status = worker, endpoint, cause, details, status
+
+    def without_traceback(self) -> ExpertWorkerError:
+        """The same error, holding no frame (and so no buffer or channel) alive: to keep."""
+        return ExpertWorkerError(self.worker, self.endpoint, self.cause, self.details, self.status)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,20 +77,29 @@ class Answer:
 
 
 class Channel(ABC):
-    """One worker over one data plane; used by one thread (the model's forward) at a time."""
+    """One worker over one data plane; used by one thread (the model's forward) at a time.
+
+    A channel connects once. After its connection is lost or closed every send fails with
+    Cause.UNAVAILABLE: a worker process that comes back (perhaps another one, on the same port)
+    is only used again through a fresh channel, after the handshake (rejoin.py)."""
 
     plane: ClassVar[str]
 
     def __init__(self, worker: int, endpoint: str, timeout_s: float):
         self.worker, self.endpoint, self.timeout_s = worker, endpoint, timeout_s
+        self.deadline_s = timeout_s  # how long a receive waits; the transport adapts it (Deadlines)
         self._requests = itertools.count(1)
+
+    def set_deadline(self, seconds: float) -> None:
+        self.deadline_s = seconds
 
     def next_request(self) -> int:
         return next(self._requests)
 
     @abstractmethod
-    def send(self, layer: int, micro_batch: int, x: torch.Tensor, part: WorkerSlice) -> int:
-        """Start computing `part` of x [T, H] on this worker; returns the request id to receive."""
+    def send(self, layer: int, slot: int, x: torch.Tensor, part: ShardSlice) -> int:
+        """Start computing `part` of x [T, H] on this worker, its frame and reply in buffer `slot`;
+        returns the request id to receive."""
 
     @abstractmethod
     def send_echo(self, payload: memoryview) -> int:
@@ -82,7 +108,7 @@ class Channel(ABC):
     @abstractmethod
     def receive(self, request: int) -> Answer:
         """The answer to a sent request. Its tensor may be a view into this channel's buffers
-        that stays valid until the next send of the same micro-batch."""
+        that stays valid until the next send in the same slot."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -98,7 +124,13 @@ class OrderedChannel(Channel):
     def __init__(self, worker: int, endpoint: str, timeout_s: float):
         super().__init__(worker, endpoint, timeout_s)
         self.sock: socket.socket | None = None
+        self.closed = False
         self.arrived: dict[int, Answer | ExpertWorkerError] = {}
+
+    def set_deadline(self, seconds: float) -> None:
+        super().set_deadline(seconds)
+        if self.sock is not None:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
 
     @abstractmethod
     def read_reply(self) -> tuple[int, Answer | ExpertWorkerError]:
@@ -117,17 +149,30 @@ class OrderedChannel(Channel):
     def receive_failed(self, err: Exception) -> ExpertWorkerError:
         """The error a failed read of a reply becomes; the connection is dropped either way."""
         if isinstance(err, (TimeoutError, BlockingIOError)):  # the kernel's receive deadline
-            return self.lost(f"no answer within {self.timeout_s:g} s", Cause.DEADLINE)
+            return self.lost(f"no answer within {self.deadline_s:.3g} s", Cause.DEADLINE)
         if isinstance(err, (FrameError, CodecError)):
             return self.lost(f"unreadable reply: {err}", Cause.REFUSED)
         return self.lost(str(err))
 
     def lost(self, details: str, cause: Cause = Cause.UNAVAILABLE, status: str | None = None) -> ExpertWorkerError:
-        """The connection can no longer be trusted: drop it (the next send reconnects)."""
+        """The connection can no longer be trusted: drop it, and with it this channel."""
         self.close()
         return self.error(cause, details, status)
 
+    def connected(self) -> socket.socket:
+        """The connection, made on first use; UNAVAILABLE once it was lost or closed."""
+        if self.sock is None:
+            if self.closed:
+                raise self.error(Cause.UNAVAILABLE, "connection closed")
+            self.sock = self.connect()
+        return self.sock
+
+    @abstractmethod
+    def connect(self) -> socket.socket:
+        """A new connection to the worker's data plane."""
+
     def close(self) -> None:
+        self.closed = True
         if self.sock is not None:
             self.sock.close()
             self.sock = None
@@ -135,56 +180,229 @@ class OrderedChannel(Channel):
 
 
 @dataclass(slots=True)
+class Call:
+    """One slice of a plan on its way: the replica it went to and the request to receive."""
+
+    worker: int
+    channel: Channel
+    request: int
+    sent_at: float = 0.0  # time.perf_counter() after the send
+
+
+DEADLINE_MULTIPLE = 10.0  # a worker's receive deadline: this many times its recent p99 round trip,
+DEADLINE_FLOOR_S = 1.0  # but at least this, and at most the request timeout (--expert-timeout)
+DEADLINE_WINDOW = 256  # round trips the p99 is taken over
+DEADLINE_UPDATE_EVERY = 64  # round trips between updates; a (re)joined worker has the timeout until then
+
+
+class Deadlines:
+    """Receive deadlines that follow each worker's measured latency, so that a worker that stops
+    answering costs about DEADLINE_FLOOR_S of stall, not the whole request timeout."""
+
+    def __init__(self, num_workers: int):
+        self.samples = [collections.deque(maxlen=DEADLINE_WINDOW) for _ in range(num_workers)]
+        self.pending = [0] * num_workers  # round trips since the last update
+
+    def observe(self, channel: Channel, seconds: float) -> None:
+        w = channel.worker
+        self.samples[w].append(seconds)
+        self.pending[w] += 1
+        if self.pending[w] < DEADLINE_UPDATE_EVERY:
+            return
+        self.pending[w] = 0
+        ordered = sorted(self.samples[w])
+        p99 = ordered[int(0.99 * (len(ordered) - 1))]
+        deadline = min(channel.timeout_s, max(DEADLINE_FLOOR_S, DEADLINE_MULTIPLE * p99))
+        if deadline != channel.deadline_s:
+            channel.set_deadline(deadline)
+            metrics.WORKER_DEADLINE.labels(str(w)).set(deadline)
+
+    def reset(self, channel: Channel) -> None:
+        """A fresh channel (a rejoined worker, maybe a new process warming up): the full timeout again."""
+        self.samples[channel.worker].clear()
+        self.pending[channel.worker] = 0
+        metrics.WORKER_DEADLINE.labels(str(channel.worker)).set(channel.deadline_s)
+
+
+@dataclass(slots=True)
 class Pending:
     """One layer's requests for one micro-batch, one per slice of `plan`."""
 
+    transport: ExpertTransport
+    layer: int
+    micro_batch: int
+    x: torch.Tensor  # the layer input, [T, H] on the host, kept for a re-send to another replica
     plan: DispatchPlan
-    calls: list[tuple[Channel, int]]
-    compute_ns: list[int] = field(default_factory=list)  # each worker's time in its experts, after wait()
+    calls: list[Call]
+    sends: collections.Counter  # requests sent to each worker so far: the next one takes another slot
+    compute_ns: list[int] = field(default_factory=list)  # each slice's time in its worker's experts, after wait()
 
     def wait(self) -> list[torch.Tensor]:
-        """[T_w, H] float32 partials in plan order (whatever order they arrive in).
-
-        Every reply is collected before the first error is raised, so no channel is left holding
-        an answer nobody will read.
-        """
-        partials, first_error = [], None
-        for channel, request in self.calls:
-            try:
-                answer = channel.receive(request)
-                partials.append(answer.tensor)
-                self.compute_ns.append(answer.compute_ns)
-            except ExpertWorkerError as err:
-                first_error = first_error or err
-        if first_error is not None:
-            partials.clear()  # views into channel buffers: let them go with this frame
-            try:
-                raise first_error
-            finally:
-                first_error = None  # no frame <-> exception cycle holding this frame alive
-        return partials
+        """[T_s, H] float32 partials in plan order (shard order, whichever replica answered).
+        Blocks; raises ExpertWorkerError when a slice cannot be computed (see ExpertTransport)."""
+        return self.transport.collect(self)
 
 
 class ExpertTransport:
-    """The channels to all workers, and the work in flight on them."""
+    """The channels to all workers, the placement of the experts over them, and the work in flight.
 
-    def __init__(self, channels: list[Channel]):
+    Each slice of a plan goes to one replica of its shard: Placement.replica_workers with the layer
+    plus the micro-batch as the turn, which spreads the shards over their replicas. A worker that
+    cannot be reached, drops its connection or does not answer in time is marked down at once, and
+    its slices go to the next replica that is up, within the same layer call, so the step completes.
+    `on_down` (rejoin.py) then watches the worker and puts it back with a fresh channel once it
+    serves the same shards again. Receive deadlines follow each worker's latency (Deadlines). A
+    shard with no replica up waits for one up to `loss_timeout_s`
+    (requests stall, none fails), then the layer raises an ExpertWorkerError naming its workers.
+    A worker that answers with an error (Cause.REFUSED) is not bypassed: the request itself is wrong.
+    """
+
+    def __init__(self, channels: list[Channel], placement: Placement, loss_timeout_s: float = 60.0,
+                 on_down: Callable[[int], None] | None = None):  # fmt: skip
+        assert len(channels) == placement.num_workers, (len(channels), placement)
         self.channels = channels
+        self.placement = placement
+        self.loss_timeout_s = loss_timeout_s
+        self.on_down = on_down
+        self.down: dict[int, ExpertWorkerError] = {}  # worker -> why it went down
+        self.closed = False
+        self.deadlines = Deadlines(len(channels))
+        for channel in channels:
+            self.deadlines.reset(channel)
         self.in_flight: dict[tuple[int, int], Pending] = {}
 
     def send(self, layer: int, micro_batch: int, x: torch.Tensor, plan: DispatchPlan) -> Pending:
-        """x: [T, H] layer input. Only workers with pairs get a request."""
+        """x: [T, H] layer input. Only shards with pairs get a request."""
         key = (layer, micro_batch)
         assert key not in self.in_flight, f"layer {layer} micro-batch {micro_batch} is already in flight"
         x = x.detach().cpu().contiguous()
-        calls = [(self.channels[p.worker], self.channels[p.worker].send(layer, micro_batch, x, p)) for p in plan.slices]
-        self.in_flight[key] = pending = Pending(plan, calls)
+        sends = collections.Counter()
+        calls = [self._send(layer, micro_batch, x, part, sends) for part in plan.slices]
+        self.in_flight[key] = pending = Pending(self, layer, micro_batch, x, plan, calls, sends)
         return pending
 
     def take(self, layer: int, micro_batch: int) -> Pending:
         """The work `send` started for (layer, micro_batch), no longer in flight once taken."""
         return self.in_flight.pop((layer, micro_batch))
 
+    def collect(self, pending: Pending) -> list[torch.Tensor]:
+        answers: list[Answer | None] = []
+        failed, refused = [], None
+        for i, call in enumerate(pending.calls):  # every reply is read before anything is re-sent
+            try:
+                answers.append(call.channel.receive(call.request))
+                self.deadlines.observe(call.channel, time.perf_counter() - call.sent_at)
+            except ExpertWorkerError as err:
+                answers.append(None)
+                if err.cause is Cause.REFUSED:
+                    refused = refused or err
+                else:
+                    self.mark_down(call, err)
+                    failed.append(i)
+        if refused is not None:
+            answers.clear()  # views into channel buffers: let them go with this frame
+            try:
+                raise refused
+            finally:
+                refused = None  # no frame <-> exception cycle holding this frame alive
+        try:
+            for i in failed:
+                answers[i] = self._resend(pending, i)
+        except ExpertWorkerError:
+            answers.clear()  # as above
+            raise
+        pending.compute_ns[:] = [a.compute_ns for a in answers]
+        return [a.tensor for a in answers]
+
+    def _resend(self, pending: Pending, i: int) -> Answer:
+        """Slice i again, to the next replica up, until one answers or none is left in time."""
+        part = pending.plan.slices[i]
+        while True:
+            call = pending.calls[i] = self._send(pending.layer, pending.micro_batch, pending.x, part, pending.sends,
+                                                 failover=True)  # fmt: skip
+            try:
+                return call.channel.receive(call.request)
+            except ExpertWorkerError as err:
+                if err.cause is Cause.REFUSED:
+                    raise
+                self.mark_down(call, err)
+
+    def _send(self, layer: int, micro_batch: int, x: torch.Tensor, part: ShardSlice, sends: collections.Counter,
+              failover: bool = False) -> Call:  # fmt: skip
+        """`part` to the first replica up; a failover when it replaces a request that failed or
+        a send fails here. A worker's first request of a micro-batch takes slot `micro_batch`;
+        another one takes a slot of its own, so that no frame or answer of this micro-batch is
+        overwritten before the combine."""
+        while True:
+            worker = self._replica(part.shard, layer + micro_batch)
+            channel = self.channels[worker]
+            slot = micro_batch + MAX_MICROBATCHES * sends[worker]
+            sends[worker] += 1
+            try:
+                call = Call(worker, channel, channel.send(layer, slot, x, part), time.perf_counter())
+            except ExpertWorkerError as err:
+                if err.cause is Cause.REFUSED:
+                    raise
+                self.mark_down(Call(worker, channel, 0), err)
+                failover = True
+                continue
+            if failover:
+                metrics.FAILOVERS.labels(str(worker)).inc()
+            return call
+
+    def _replica(self, shard: int, turn: int) -> int:
+        """The first replica of `shard` that is up, in this turn's order; waits for one to come
+        back (up to loss_timeout_s) when none is."""
+        replicas = self.placement.replica_workers(shard, turn)
+        deadline = None
+        while True:
+            for worker in replicas:
+                if worker not in self.down:
+                    return worker
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.loss_timeout_s
+                logger.warning("experts [%d, %d): every worker holding them is down (%s); waiting up to %g s for one",
+                               *self.placement.shard_range(shard), self._why(replicas), self.loss_timeout_s)  # fmt: skip
+            if now >= deadline:
+                first = self.down[replicas[0]]
+                start, end = self.placement.shard_range(shard)
+                raise ExpertWorkerError(first.worker, first.endpoint, first.cause, (
+                    f"lost, and no worker holding experts [{start}, {end}) came back within {self.loss_timeout_s:g} s "
+                    f"({self._why(replicas)})"))  # fmt: skip
+            time.sleep(0.05)
+
+    def _why(self, workers: list[int]) -> str:
+        return "; ".join(f"worker {w}: {self.down[w]}" for w in workers if w in self.down)
+
+    def mark_down(self, call: Call, err: ExpertWorkerError) -> None:
+        """Take the worker out (once per channel: a stale channel's errors say nothing new)."""
+        if call.worker in self.down or self.channels[call.worker] is not call.channel:
+            return
+        self.down[call.worker] = err.without_traceback()
+        call.channel.close()
+        metrics.WORKER_UP.labels(str(call.worker)).set(0)
+        metrics.WORKER_FAILURES.labels(str(call.worker), err.cause.value).inc()
+        logger.warning("expert worker %d is down, its experts go to their other replicas: %s", call.worker, err)
+        if self.on_down is not None:
+            self.on_down(call.worker)
+
+    def rejoin(self, worker: int, channel: Channel) -> None:
+        """Put a worker back with a fresh channel (from the watcher's thread; the model's
+        thread picks it up at its next send)."""
+        if self.closed:
+            channel.close()
+            return
+        old = self.channels[worker]
+        self.deadlines.reset(channel)
+        self.channels[worker] = channel
+        self.down.pop(worker, None)
+        old.close()
+        metrics.WORKER_UP.labels(str(worker)).set(1)
+        metrics.REJOINS.labels(str(worker)).inc()
+        logger.info("expert worker %d is back over %s and gets work again", worker, channel.plane)
+
     def close(self) -> None:
+        self.closed = True
         for channel in self.channels:
             channel.close()

@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import logging
 
+from attention_server import metrics
 from attention_server.config import DATA_PLANES as PLANES
+from attention_server.config import AttentionConfig
+from attention_server.handshake import check_workers, expected_differences
 from attention_server.transport.base import Channel, ExpertTransport, ExpertWorkerError
 from attention_server.transport.grpc_stream import GrpcStreamChannel
+from attention_server.transport.rejoin import Rejoiner
 from attention_server.transport.shm import ShmChannel
 from attention_server.transport.tcp import TcpChannel
 from protos import expert_pb2 as pb
 from protos import frames
+from protos.checkpoint import MoeCheckpoint
+from protos.placement import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +40,7 @@ def open_channel(worker: int, endpoint: str, info: pb.InfoResponse, plane: str, 
     if plane in ("auto", "shm") and shm is not None and shm.host_id == frames.host_id():
         channel = ShmChannel(worker, endpoint, timeout_s, shm.address)
         try:
-            channel.connect()
+            channel.connected()
             return channel
         except ExpertWorkerError as err:  # another network namespace (a container) on this host
             if plane == "shm":
@@ -45,7 +51,7 @@ def open_channel(worker: int, endpoint: str, info: pb.InfoResponse, plane: str, 
     if plane in ("auto", "tcp") and tcp is not None:
         channel = TcpChannel(worker, endpoint, timeout_s, tcp.port)
         try:
-            channel.connect()
+            channel.connected()
             return channel
         except ExpertWorkerError as err:  # e.g. a firewall or an unpublished container port
             if plane == "tcp":
@@ -56,8 +62,32 @@ def open_channel(worker: int, endpoint: str, info: pb.InfoResponse, plane: str, 
     return GrpcStreamChannel(worker, endpoint, timeout_s)
 
 
-def connect(endpoints: tuple[str, ...], infos: list[pb.InfoResponse], plane: str, timeout_s: float) -> ExpertTransport:
+def connect_workers(cfg: AttentionConfig, ckpt: MoeCheckpoint) -> ExpertTransport:
+    """The attention node's transport: a channel to every worker of `cfg`, failover to replicas,
+    and a Rejoiner that puts lost workers back once they serve their shards again. Every worker's
+    Info is checked here too (`python -m attention_server` did before vLLM started; a plugin turned
+    on by the environment alone did not)."""
+    infos, placement = check_workers(cfg.expert_endpoints, ckpt, cfg.request_timeout_s, cfg.expert_replicas)
+
+    def reopen(worker: int, info: pb.InfoResponse) -> Channel:
+        channel = open_channel(worker, cfg.expert_endpoints[worker], info, cfg.data_plane, cfg.request_timeout_s)
+        metrics.TRANSPORT_PLANE.labels(str(worker), channel.plane).set(1)
+        return channel
+
+    rejoiner = Rejoiner(cfg.expert_endpoints, lambda w, info: expected_differences(info, ckpt, w, placement), reopen)
+    transport = connect(cfg.expert_endpoints, infos, cfg.data_plane, cfg.request_timeout_s, placement,
+                        cfg.worker_loss_timeout_s, rejoiner.watch)  # fmt: skip
+    rejoiner.transport = transport
+    for channel in transport.channels:
+        metrics.TRANSPORT_PLANE.labels(str(channel.worker), channel.plane).set(1)
+        metrics.WORKER_UP.labels(str(channel.worker)).set(1)
+    return transport
+
+
+def connect(endpoints: tuple[str, ...], infos: list[pb.InfoResponse], plane: str, timeout_s: float,
+            placement: Placement, loss_timeout_s: float = 60.0, on_down=None) -> ExpertTransport:  # fmt: skip
+    """An ExpertTransport over one channel per worker (see ExpertTransport for the rest)."""
     channels = [open_channel(w, e, info, plane, timeout_s) for w, (e, info) in enumerate(zip(endpoints, infos))]
     for channel in channels:
         logger.info("worker %d at %s: data plane %s", channel.worker, channel.endpoint, channel.plane)
-    return ExpertTransport(channels)
+    return ExpertTransport(channels, placement, loss_timeout_s, on_down)

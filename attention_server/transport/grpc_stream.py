@@ -14,7 +14,7 @@ import grpc
 import torch
 import uvloop
 
-from attention_server.partition import WorkerSlice
+from attention_server.partition import ShardSlice
 from attention_server.transport.base import Answer, Cause, Channel
 from protos import GRPC_OPTIONS, codec, frames
 from protos.frames import HEADER, FrameError, Header, Kind
@@ -42,14 +42,18 @@ class GrpcStreamChannel(Channel):
         self.replies: dict[int, concurrent.futures.Future] = {}
         self.outbox: asyncio.Queue | None = None  # frames for the writer task; None until connected
         self.stream_task: asyncio.Task | None = None
+        self.ended = False  # the one stream ended, or close(): no other is opened (see Channel)
 
     def _submit(self, request: int, frame: bytes) -> int:
         reply: concurrent.futures.Future = concurrent.futures.Future()
         self.replies[request] = reply
-        self.loop.call_soon_threadsafe(self._enqueue, frame)
+        self.loop.call_soon_threadsafe(self._enqueue, request, frame)
         return request
 
-    def _enqueue(self, frame: bytes) -> None:  # on the loop
+    def _enqueue(self, request: int, frame: bytes) -> None:  # on the loop
+        if self.ended:
+            self.replies[request].set_exception(self.error(Cause.UNAVAILABLE, "the stream to the worker ended"))
+            return
         if self.outbox is None:
             self.outbox = asyncio.Queue()
             self.stream_task = self.loop.create_task(self._run(self.outbox))
@@ -75,6 +79,7 @@ class GrpcStreamChannel(Channel):
         except (FrameError, codec.CodecError) as err:
             self._fail(Cause.REFUSED, f"unreadable reply: {err}")
         finally:
+            self.ended = True
             writer.cancel()
             self.outbox = None
             await channel.close()
@@ -96,9 +101,9 @@ class GrpcStreamChannel(Channel):
             if not reply.done():
                 reply.set_exception(self.error(cause, details))
 
-    def send(self, layer: int, micro_batch: int, x: torch.Tensor, part: WorkerSlice) -> int:
+    def send(self, layer: int, slot: int, x: torch.Tensor, part: ShardSlice) -> int:
         request = self.next_request()
-        header = frames.forward_header(request, layer, micro_batch, len(part.rows), x.shape[1], x.dtype, part.num_pairs)
+        header = frames.forward_header(request, layer, slot, len(part.rows), x.shape[1], x.dtype, part.num_pairs)
         parts = frames.forward_parts(x, part.rows, part.pairs)
         return self._submit(request, b"".join([header.pack(), *parts]))
 
@@ -108,9 +113,9 @@ class GrpcStreamChannel(Channel):
 
     def receive(self, request: int) -> Answer:
         try:
-            header, payload = self.replies[request].result(timeout=self.timeout_s)
+            header, payload = self.replies[request].result(timeout=self.deadline_s)
         except concurrent.futures.TimeoutError:
-            raise self.error(Cause.DEADLINE, f"no answer within {self.timeout_s:g} s") from None
+            raise self.error(Cause.DEADLINE, f"no answer within {self.deadline_s:.3g} s") from None
         finally:
             self.replies.pop(request, None)
         if header.kind == Kind.PARTIAL:
@@ -122,6 +127,8 @@ class GrpcStreamChannel(Channel):
         raise self.error(Cause.REFUSED, f"unexpected {header.kind.name} frame")
 
     def close(self) -> None:
+        self.ended = True
+        self.loop.call_soon_threadsafe(self._fail, Cause.UNAVAILABLE, "connection closed")  # no receive waits on
         if self.stream_task is not None:
             self.loop.call_soon_threadsafe(self.stream_task.cancel)
             self.stream_task = None

@@ -1,6 +1,6 @@
 """Frames through shared memory: the data plane for workers on this host.
 
-Per micro-batch slot this side creates a memfd segment and hands it to the worker over an
+Per slot (one per micro-batch in flight, see ExpertTransport) this side creates a memfd segment and hands it to the worker over an
 abstract Unix socket (SOCK_SEQPACKET, SCM_RIGHTS); only headers travel over the socket. Rows
 are gathered straight into the segment and partials are read where the worker wrote them.
 Nothing has a name in /dev/shm or on disk, so a kill -9 of either side leaves nothing behind.
@@ -13,7 +13,7 @@ import socket
 
 import torch
 
-from attention_server.partition import WorkerSlice
+from attention_server.partition import ShardSlice
 from attention_server.transport.base import Answer, Cause, ExpertWorkerError, OrderedChannel, kernel_deadlines
 from protos import codec, frames
 from protos.frames import HEADER, FrameError, Header, Kind
@@ -27,37 +27,35 @@ class ShmChannel(OrderedChannel):
     def __init__(self, worker: int, endpoint: str, timeout_s: float, address: str):
         super().__init__(worker, endpoint, timeout_s)
         self.address = "\0" + address
-        self.segments: dict[int, mmap.mmap] = {}  # per micro-batch
-        self.sent: dict[int, tuple[int, int]] = {}  # request -> (micro-batch, reply offset)
+        self.segments: dict[int, mmap.mmap] = {}  # per slot
+        self.sent: dict[int, tuple[int, int]] = {}  # request -> (slot, reply offset)
 
     def connect(self) -> socket.socket:
-        if self.sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            try:
-                sock.connect(self.address)
-            except OSError as err:
-                sock.close()
-                raise self.error(Cause.UNAVAILABLE, f"shm socket: {err}") from None
-            kernel_deadlines(sock, self.timeout_s)
-            self.sock = sock
-        return self.sock
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(self.address)
+        except OSError as err:
+            sock.close()
+            raise self.error(Cause.UNAVAILABLE, f"shm socket: {err}") from None
+        kernel_deadlines(sock, self.timeout_s, self.deadline_s)
+        return sock
 
-    def _segment(self, micro_batch: int, size: int) -> tuple[mmap.mmap, int | None]:
+    def _segment(self, slot: int, size: int) -> tuple[mmap.mmap, int | None]:
         """The slot's segment, replaced by a larger one (whose fd goes to the worker) when too small."""
-        segment = self.segments.get(micro_batch)
+        segment = self.segments.get(slot)
         if segment is not None and len(segment) >= size:
             return segment, None
         # The old segment is unmapped when the last partial viewing it is gone.
         size = max(1 << 20, 1 << (size - 1).bit_length())
-        fd = os.memfd_create(f"hetero-moe-w{self.worker}-mb{micro_batch}", os.MFD_CLOEXEC)
+        fd = os.memfd_create(f"hetero-moe-w{self.worker}-slot{slot}", os.MFD_CLOEXEC)
         os.ftruncate(fd, size)
-        self.segments[micro_batch] = segment = mmap.mmap(fd, size)
+        self.segments[slot] = segment = mmap.mmap(fd, size)
         return segment, fd
 
-    def _submit(self, header: Header, micro_batch: int, fill) -> int:
-        sock = self.connect()
+    def _submit(self, header: Header, slot: int, fill) -> int:
+        sock = self.connected()
         reply_at = frames.reply_offset(header.payload)
-        segment, fd = self._segment(micro_batch, reply_at + frames.reply_size(header))
+        segment, fd = self._segment(slot, reply_at + frames.reply_size(header))
         fill(memoryview(segment))
         try:
             socket.send_fds(sock, [header.pack()], [fd] if fd is not None else [])
@@ -66,13 +64,13 @@ class ShmChannel(OrderedChannel):
         finally:
             if fd is not None:
                 os.close(fd)
-        self.sent[header.request] = (micro_batch, reply_at)
+        self.sent[header.request] = (slot, reply_at)
         return header.request
 
-    def send(self, layer: int, micro_batch: int, x: torch.Tensor, part: WorkerSlice) -> int:
-        header = frames.forward_header(self.next_request(), layer, micro_batch, len(part.rows), x.shape[1], x.dtype,
+    def send(self, layer: int, slot: int, x: torch.Tensor, part: ShardSlice) -> int:
+        header = frames.forward_header(self.next_request(), layer, slot, len(part.rows), x.shape[1], x.dtype,
                                        part.num_pairs)  # fmt: skip
-        return self._submit(header, micro_batch, lambda view: frames.write_forward(view, x, part.rows, part.pairs))
+        return self._submit(header, slot, lambda view: frames.write_forward(view, x, part.rows, part.pairs))
 
     def send_echo(self, payload: memoryview) -> int:
         """A transport probe: the worker copies `payload` into the reply region."""
@@ -101,8 +99,8 @@ class ShmChannel(OrderedChannel):
                 raise self.lost(text, Cause.REFUSED, frames.status_name(header.status))
             self.sent.pop(header.request, None)
             return self.error(Cause.REFUSED, text, frames.status_name(header.status))
-        micro_batch, reply_at = self.sent.pop(header.request)
-        segment = self.segments[micro_batch]
+        slot, reply_at = self.sent.pop(header.request)
+        segment = self.segments[slot]
         try:
             header.check_payload()
             if reply_at + header.payload > len(segment):

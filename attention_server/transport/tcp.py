@@ -5,7 +5,7 @@ import socket
 
 import torch
 
-from attention_server.partition import WorkerSlice
+from attention_server.partition import ShardSlice
 from attention_server.transport.base import Answer, Cause, ExpertWorkerError, OrderedChannel, kernel_deadlines
 from protos import codec, frames
 from protos.frames import FrameError, Header, Kind
@@ -17,34 +17,33 @@ class TcpChannel(OrderedChannel):
     def __init__(self, worker: int, endpoint: str, timeout_s: float, port: int):
         super().__init__(worker, endpoint, timeout_s)
         self.address = (endpoint.rpartition(":")[0], port)
-        self.sent: dict[int, int] = {}  # request -> micro-batch
-        self.buffers: dict[int, frames.ReceiveBuffer] = {}  # per micro-batch, so a reply outlives the others
+        self.sent: dict[int, int] = {}  # request -> slot
+        self.buffers: dict[int, frames.ReceiveBuffer] = {}  # per slot, so a reply outlives the others
 
     def connect(self) -> socket.socket:
-        if self.sock is None:
-            try:
-                self.sock = socket.create_connection(self.address, timeout=self.timeout_s)
-            except OSError as err:
-                raise self.error(Cause.UNAVAILABLE, f"tcp {self.address[0]}:{self.address[1]}: {err}") from None
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            kernel_deadlines(self.sock, self.timeout_s)
-        return self.sock
+        try:
+            sock = socket.create_connection(self.address, timeout=self.timeout_s)
+        except OSError as err:
+            raise self.error(Cause.UNAVAILABLE, f"tcp {self.address[0]}:{self.address[1]}: {err}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        kernel_deadlines(sock, self.timeout_s, self.deadline_s)
+        return sock
 
-    def send(self, layer: int, micro_batch: int, x: torch.Tensor, part: WorkerSlice) -> int:
-        sock, request = self.connect(), self.next_request()
-        header = frames.forward_header(request, layer, micro_batch, len(part.rows), x.shape[1], x.dtype, part.num_pairs)
+    def send(self, layer: int, slot: int, x: torch.Tensor, part: ShardSlice) -> int:
+        sock, request = self.connected(), self.next_request()
+        header = frames.forward_header(request, layer, slot, len(part.rows), x.shape[1], x.dtype, part.num_pairs)
         try:
             frames.send_frame(sock, header, frames.forward_parts(x, part.rows, part.pairs))
         except BlockingIOError:
             raise self.lost(f"send: the worker took nothing for {self.timeout_s:g} s", Cause.DEADLINE) from None
         except OSError as err:
             raise self.lost(f"send: {err}") from None
-        self.sent[request] = micro_batch
+        self.sent[request] = slot
         return request
 
     def send_echo(self, payload: memoryview) -> int:
         """A transport probe: the worker sends `payload` back unchanged."""
-        sock, request = self.connect(), self.next_request()
+        sock, request = self.connected(), self.next_request()
         try:
             frames.send_frame(sock, Header(Kind.ECHO, request, payload=len(payload)), [payload])
         except OSError as err:

@@ -1,6 +1,6 @@
 """Frames through shared memory (the same-host data plane).
 
-The client creates one memfd segment per micro-batch slot and passes it over an abstract Unix
+The client creates one memfd segment per slot (Header.slot: one per micro-batch in flight) and passes it over an abstract Unix
 socket (SOCK_SEQPACKET, SCM_RIGHTS), so nothing has a name in /dev/shm or on disk: when either
 side dies, even by kill -9, the kernel frees the segments and the socket. Per frame only the
 header travels over the socket. A slot holds the request payload at offset 0 and the reply's at
@@ -35,7 +35,7 @@ class ShmPlane(Plane):
         return pb.DataPlane(kind=self.kind, address=self.address[1:], host_id=frames.host_id())
 
     def serve(self, conn: socket.socket, delay: ReplyDelay) -> None:
-        segments: dict[int, mmap.mmap] = {}  # per micro-batch slot; unmapped when dropped
+        segments: dict[int, mmap.mmap] = {}  # per slot; unmapped when dropped
         while True:
             message, fds, _, _ = socket.recv_fds(conn, HEADER.size, 1)
             if not message:
@@ -47,8 +47,8 @@ class ShmPlane(Plane):
                 reply = self.handler.refuse_stream(err)
             else:
                 if fds:  # a new (or larger) segment for this slot's frames
-                    segments[header.micro_batch] = mmap.mmap(fds[0], 0)
-                reply = self._answer(header, segments.get(header.micro_batch))
+                    segments[header.slot] = mmap.mmap(fds[0], 0)
+                reply = self._answer(header, segments.get(header.slot))
             finally:
                 for fd in fds:
                     os.close(fd)
