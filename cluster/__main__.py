@@ -19,6 +19,8 @@ from pathlib import Path
 
 from attention_server.config import DATA_PLANES
 from cluster.launcher import Cluster, ClusterSpec, stop_detached
+from protos.checkpoint import read_checkpoint
+from protos.placement import available_host_memory, choose_replicas, replicas_flag
 
 logger = logging.getLogger("cluster")
 
@@ -52,6 +54,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     up.add_argument("--kernel-backend", default=None, help="force a worker kernel backend")
     up.add_argument("--data-plane", choices=DATA_PLANES, default="auto",
                     help="how rows travel to the workers: auto (shared memory here), shm, tcp or grpc")
+    up.add_argument("--expert-replicas", type=replicas_flag, default=None, metavar="R|auto",
+                    help="workers holding each expert, so that a lost worker's experts are served by another; "
+                         "auto (default): 2 where two shards per worker fit in memory, else 1")
+    up.add_argument("--worker-loss-timeout", type=float, default=None, metavar="S",
+                    help="when every worker holding some experts is lost, steps wait this long for one to come back "
+                         "(attention_server's default: 60), then the attention server stops and so does `up`")
     up.add_argument("--pingpong-microbatches", type=int, default=1, metavar="M",
                     help="steps of at least M requests run as M micro-batches in ping-pong (1 to 4); 1: off")
     up.add_argument("--ready-timeout", type=float, default=900.0)
@@ -78,6 +86,11 @@ def up(a: argparse.Namespace) -> int:
 
         a.model = tiny_models.make("qwen3_moe", tiny_models.default_model_dir())
     vllm_args = [*CPU_VLLM_ARGS, *(x for x in a.vllm_args if x != "--")]
+    replicas = a.expert_replicas
+    if replicas is None:  # decided once here, so that every worker and the attention server agree
+        replicas, reason = choose_replicas(read_checkpoint(a.model).expert_bytes, a.workers,
+                                           available_host_memory() // a.workers)  # fmt: skip
+        print(f"expert replicas: {replicas} (auto: {reason})", flush=True)
     spec = ClusterSpec(
         model=a.model.resolve(),
         num_workers=a.workers,
@@ -90,6 +103,8 @@ def up(a: argparse.Namespace) -> int:
         worker_data_base_port=a.worker_data_base_port,
         data_plane=a.data_plane,
         pingpong_microbatches=a.pingpong_microbatches,
+        expert_replicas=replicas,
+        worker_loss_timeout_s=a.worker_loss_timeout,
         vllm_args=tuple(vllm_args),
         worker_args=worker_args(a),
     )
@@ -114,9 +129,12 @@ def up(a: argparse.Namespace) -> int:
             cluster.procs.clear()  # leave them running
             return 0
         print("Ctrl-C to stop.", flush=True)
-        while not (dead := cluster.exited()):
+        while "attention" not in (dead := cluster.exited()):
+            if restarted := cluster.restart_workers():
+                print(f"restarting {', '.join(restarted)}; logs in {spec.run_dir}", file=sys.stderr, flush=True)
             time.sleep(1.0)
-        print(f"stopping: exited unexpectedly: {dead}; logs in {spec.run_dir}", file=sys.stderr)
+        print(f"stopping: the attention server exited (code {dead['attention']}); logs in {spec.run_dir}",
+              file=sys.stderr)  # fmt: skip
         return 1
     except KeyboardInterrupt:
         return 0

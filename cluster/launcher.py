@@ -40,6 +40,8 @@ class ClusterSpec:
     worker_data_base_port: int = 0  # worker i's TCP data plane listens on base + i; 0: each picks a free port
     data_plane: str = "auto"  # how rows travel to the workers (attention_server --data-plane)
     pingpong_microbatches: int = 1  # attention_server --pingpong-microbatches
+    expert_replicas: int | None = None  # --expert-replicas of the workers and the attention server; None: auto
+    worker_loss_timeout_s: float | None = None  # attention_server --worker-loss-timeout; None: its default
     vllm_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()  # e.g. --weight-format w4a16 --kernel-backend cpu
 
@@ -76,8 +78,12 @@ class ClusterSpec:
             "--num-threads", str(self.worker_threads),
             "--metrics-port", str(self.worker_metrics_base_port + index),
             "--data-port", str(self.worker_data_base_port and self.worker_data_base_port + index),
+            *self._replicas_args(),
             *self.worker_args,
         ]  # fmt: skip
+
+    def _replicas_args(self) -> tuple[str, ...]:
+        return ("--expert-replicas", str(self.expert_replicas)) if self.expert_replicas is not None else ()
 
     def attention_command(self) -> list[str]:
         return [
@@ -86,6 +92,8 @@ class ClusterSpec:
             "--expert-endpoints", ",".join(self.endpoints),
             "--data-plane", self.data_plane,
             "--pingpong-microbatches", str(self.pingpong_microbatches),
+            *self._replicas_args(),
+            *(("--worker-loss-timeout", str(self.worker_loss_timeout_s)) if self.worker_loss_timeout_s is not None else ()),
             "--host", self.host,
             "--port", str(self.http_port),
             "--served-model-name", self.served_model_name,
@@ -93,22 +101,27 @@ class ClusterSpec:
         ]  # fmt: skip
 
 
+WORKER_RESTART_INTERVAL_S = 5.0  # a worker that keeps exiting is restarted at most this often
+
+
 @dataclass(slots=True)
 class Cluster:
     spec: ClusterSpec
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    started: dict[str, float] = field(default_factory=dict)  # when each child was last started
 
     @property
     def state_file(self) -> Path:
         return self.spec.run_dir / "cluster.json"
 
-    def _spawn(self, name: str, cmd: list[str], log_to_terminal: bool) -> None:
-        log = None if log_to_terminal else open(self.spec.run_dir / f"{name}.log", "wb")  # noqa: SIM115
+    def _spawn(self, name: str, cmd: list[str], log_to_terminal: bool, append: bool = False) -> None:
+        log = None if log_to_terminal else open(self.spec.run_dir / f"{name}.log", "ab" if append else "wb")  # noqa: SIM115
         self.procs[name] = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT if log else None, stdin=subprocess.DEVNULL, start_new_session=True
         )
         if log:
             log.close()  # the child holds its own descriptor
+        self.started[name] = time.monotonic()
 
     def start(self, attention_to_terminal: bool) -> None:
         self.spec.run_dir.mkdir(parents=True, exist_ok=True)
@@ -119,6 +132,19 @@ class Cluster:
 
     def exited(self) -> dict[str, int]:
         return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+
+    def restart_workers(self) -> list[str]:
+        """Start again every worker that exited (as compose's `restart:` does), at most once per
+        WORKER_RESTART_INTERVAL_S each; its log goes on in the same file. The attention server
+        takes it back once it serves (attention_server/transport/rejoin.py)."""
+        restarted = []
+        for name, code in self.exited().items():
+            if name.startswith("worker-") and time.monotonic() - self.started[name] >= WORKER_RESTART_INTERVAL_S:
+                self._spawn(name, self.spec.worker_command(int(name.removeprefix("worker-"))), False, append=True)
+                restarted.append(f"{name} (exit {code})")
+        if restarted:
+            self.state_file.write_text(json.dumps({n: p.pid for n, p in self.procs.items()}))
+        return restarted
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the attention server's /health answers; raise if a child exits first."""

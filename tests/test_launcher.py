@@ -1,13 +1,15 @@
 """`make up` (python -m cluster up) as users run it: detached until `down`; W4A16 quantized on load;
-and a dead process stops the whole cluster, naming it."""
+a dead worker restarted; and one that cannot come back stops the whole cluster, naming it."""
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
+import openai
 import psutil
 import pytest
 from openai import OpenAI
@@ -16,7 +18,7 @@ from cluster.launcher import wait_http_ready
 from protos.checkpoint import read_checkpoint
 from tests.support import (
     HOST, VLLM_CPU_ARGS, ClusterCounters, assert_workers_did_the_work, free_ports, free_worker_ports, port_flags, python_module,
-    scrape,
+    scrape, total,
 )  # fmt: skip
 
 pytestmark = pytest.mark.vllm
@@ -77,35 +79,60 @@ def test_detached_cluster_serves_until_down(model_dir, tmp_path):
     assert "no detached cluster recorded" in again.stdout
 
 
-def test_w4a16_on_load_serves_and_a_dead_worker_stops_the_cluster_naming_it(model_dir, tmp_path):
-    """`make up ARGS="--weight-format w4a16 --group-size 32"`: the workers quantize on load and run the
-    int4 kernel; then one worker is killed and `make up` exits non-zero, naming it, leaving nothing."""
+def test_w4a16_on_load_serves_restarts_dead_workers_and_stops_naming_one_that_cannot_return(model_dir, tmp_path):
+    """`make up ARGS="--weight-format w4a16 --group-size 32 --expert-replicas 1"`: the workers quantize
+    on load and run the int4 kernel. A killed worker is restarted by `up` and a request sent while it
+    is gone stalls until it is back, then completes. A worker that cannot come back (its port taken)
+    fails the step after --worker-loss-timeout naming it; the attention server exits and so does
+    `up`, non-zero, leaving nothing."""
     model, run_dir = model_dir("qwen3_moe"), tmp_path / "run"
     cmd, base_url, metrics = cluster_up(model, run_dir, "--weight-format", "w4a16", "--group-size", "32",
+                                        "--expert-replicas", "1", "--worker-loss-timeout", "20",
                                         "--", *VLLM_CPU_ARGS, "--enforce-eager")  # fmt: skip
     log = tmp_path / "up.log"
     with log.open("wb") as out:
         launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    port_taken = socket.socket()
     try:
         wait_http_ready(base_url, [launcher], timeout_s=900)
         ckpt = read_checkpoint(model)
         before = ClusterCounters.read(metrics[0], metrics[1:])
-        assert complete(base_url)
+        expected = complete(base_url)
         assert_workers_did_the_work(before, ClusterCounters.read(metrics[0], metrics[1:]), ckpt.top_k, ckpt.moe_layers, "cpu")
         for url in metrics[1:]:
             (shard,) = [dict(ls) for (n, ls) in scrape(url) if n == "hetero_moe_worker_shard_info"]
             assert shard["weight_format"] == "w4a16 int4 sym group 32", shard
-
-        pids = json.loads((run_dir / "cluster.json").read_text())
         family = family_of([launcher.pid])
-        os.killpg(pids["worker-5"], signal.SIGKILL)
+
+        os.killpg(json.loads((run_dir / "cluster.json").read_text())["worker-5"], signal.SIGKILL)
+        start = time.monotonic()
+        assert complete(base_url) == expected, "stalled until worker 5 was back, then the same tokens"
+        stalled = time.monotonic() - start
+        assert "restarting worker-5 (exit -9)" in log.read_text()
+        assert total(scrape(metrics[0]), "hetero_moe_transport_rejoins_total", worker="5") == 1
+        family += family_of([json.loads((run_dir / "cluster.json").read_text())["worker-5"]])
+
+        grpc_port = int(cmd[cmd.index("--worker-base-port") + 1]) + 5
+        victim = psutil.Process(json.loads((run_dir / "cluster.json").read_text())["worker-5"])
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=10)  # its port is free once it is gone; `up` restarts it, which loads for seconds
+        port_taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the old connections' TIME_WAIT
+        port_taken.bind((HOST, grpc_port))  # the restarted worker cannot bind it (no SO_REUSEPORT here) and exits
+        port_taken.listen()
+        with pytest.raises(openai.InternalServerError):
+            complete(base_url)
         assert launcher.wait(timeout=120) == 1
     finally:
+        port_taken.close()
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGINT)
             launcher.wait(timeout=120)
-    assert "stopping: exited unexpectedly: {'worker-5': -9}" in log.read_text()
+    text = log.read_text()
+    assert "stopping: the attention server exited" in text
+    assert f"expert worker 5 at {HOST}:{grpc_port}: UNAVAILABLE: lost" in text and "came back within 20 s" in text
     deadline = time.monotonic() + 10
     while running(family) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not running(family), "a process outlived the cluster"
+    print(f"\nmake up, R = 1: a request stalled {stalled:.1f} s while worker 5 was restarted, then completed unchanged; "
+          "a worker that could not return stopped the cluster, named")
