@@ -7,7 +7,7 @@ PROTOS_VENV := .venv-protos
 # protobuf runtime we run on (see DESIGN.md §5); newer runtimes accept it.
 GRPCIO_TOOLS := grpcio-tools==1.66.2
 
-.PHONY: venv up down test protos model hipcc bench-kernel bench-memory bench-transport bench-pingpong clean
+.PHONY: venv up down test protos model hipcc bench-kernel bench-memory bench-transport bench-pingpong bench-replicas soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,13 @@ bench-transport: venv $(VENV)/.bench
 
 bench-pingpong: venv $(VENV)/.bench
 	$(PY) -m benchmarks.bench_pingpong --out results/bench_pingpong.json $(ARGS)
+
+bench-replicas: venv $(VENV)/.bench
+	$(PY) -m benchmarks.bench_replicas --out results/bench_replicas.json $(ARGS)
+
+# Not a test: N minutes (ARGS="--minutes N") of streaming load with a worker killed every 2 minutes.
+soak: venv $(VENV)/.bench
+	$(PY) -m benchmarks.soak --out results/soak.json $(ARGS)
 
 bench-memory: venv
 	$(PY) -m benchmarks.bench_memory --out results/memory.json $(ARGS)
