@@ -180,7 +180,8 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--out", type=Path, default=Path("results/soak.json"))
     a = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.setLevel(logging.INFO)  # the kills; not the HTTP client's line per request
     a.out.parent.mkdir(parents=True, exist_ok=True)
     run_dir = a.out.parent / "soak-run"
     model = tiny_models.make("qwen3_moe", tiny_models.default_model_dir())

@@ -44,7 +44,7 @@ class ExpertServicer:
         )
         # One gRPC compute thread: requests run in arrival order and the event loop
         # stays free for health checks while torch works.
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="experts")
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="experts", initializer=handler.enter_thread)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         return self.info

@@ -95,6 +95,7 @@ class Plane(ABC):
             threading.Thread(target=self._serve_logged, args=(conn,), name=f"{self.kind}-conn", daemon=True).start()
 
     def _serve_logged(self, conn: socket.socket) -> None:
+        self.handler.enter_thread()
         delay = ReplyDelay(self.handler.reply_delay)
         with conn:
             try:

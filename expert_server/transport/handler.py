@@ -61,6 +61,13 @@ class ExpertHandler:
         self.reply_delay = reply_delay  # benchmarks only (make bench-pingpong)
         self._compute = threading.Lock()
         self._ok = metrics.REQUESTS.labels(grpc.StatusCode.OK.name)
+        self._torch_threads = torch.get_num_threads()  # as the main thread set it (--num-threads)
+
+    def enter_thread(self) -> None:
+        """Run first in every thread that computes. OpenMP's thread count is per thread: a thread
+        that never set it runs torch's kernels on a team of every core, whose helpers spin
+        between kernels (measured: a 2 x 128 matmul loop took 9x the CPU in a new thread)."""
+        torch.set_num_threads(self._torch_threads)
 
     @torch.inference_mode()  # no autograd bookkeeping on any tensor operation of a request
     def forward(self, layer: int, hidden: torch.Tensor, pair_rows: torch.Tensor, pair_experts: torch.Tensor,
