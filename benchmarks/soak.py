@@ -30,6 +30,7 @@ import psutil
 from openai import OpenAI
 
 import tiny_models
+from tiny_models import PROMPTS
 from cluster.launcher import free_ports, free_port_run, stop_pids, wait_http_ready
 
 logger = logging.getLogger("soak")
@@ -37,16 +38,6 @@ logger = logging.getLogger("soak")
 HOST = "127.0.0.1"
 WORKERS = 8
 VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 30))
-PROMPTS = [
-    "The weather today is",
-    "My favourite food is",
-    "Once upon a time, a little dog",
-    "The train to the city leaves at",
-    "In the garden we planted",
-    "She opened the book and read",
-    "The best way to learn is",
-    "After school the children",
-]
 TOKENS = 64
 TIE_MARGIN = 1e-3
 WARMUP_S = 60.0

@@ -16,21 +16,12 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.launcher import free_ports, free_worker_ports, stop_pids  # noqa: F401 (tests import them from here)
+from tiny_models import PROMPTS  # noqa: F401 (tests import it from here)
 
 HOST = "127.0.0.1"
 # The CPU flags every vLLM in the tests runs with, stock or cluster.
 VLLM_CPU_ARGS = ("--dtype", "bfloat16", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 30))
 
-PROMPTS = [
-    "The weather today is",
-    "My favourite food is",
-    "Once upon a time, a little dog",
-    "The train to the city leaves at",
-    "In the garden we planted",
-    "She opened the book and read",
-    "The best way to learn is",
-    "After school the children",
-]
 MAX_TOKENS = 32
 
 
@@ -45,12 +36,12 @@ def token_id(text: str) -> int:
     return int(text.removeprefix("token_id:"))
 
 
-def generate(base_url: str) -> list[Generation]:
-    """Greedy completions of PROMPTS through the `openai` client, with each step's top-2."""
+def generate(base_url: str, max_tokens: int = MAX_TOKENS) -> list[Generation]:
+    """Greedy completions of PROMPTS, in one batch, through the `openai` client, with each step's top-2."""
     client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
     response = client.completions.create(
-        model=model, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0, logprobs=2,
+        model=model, prompt=PROMPTS, max_tokens=max_tokens, temperature=0, logprobs=2,
         extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
     )  # fmt: skip
     out = [None] * len(PROMPTS)

@@ -22,7 +22,8 @@ from openai import OpenAI
 
 from cluster.launcher import wait_http_ready
 from tests.support import (
-    HOST, PROMPTS, VLLM_CPU_ARGS, Generation, free_ports, python_module, scrape, start_workers, token_id, total,
+    HOST, PROMPTS, VLLM_CPU_ARGS, Generation, free_ports, generate, python_module, scrape, start_workers, token_id,
+    total,
 )  # fmt: skip
 
 pytestmark = pytest.mark.vllm
@@ -43,19 +44,6 @@ def start_attention(processes, name: str, model, workers, *args: str) -> tuple[s
     return base_url, client, client.models.list().data[0].id
 
 
-def fault_free(client: OpenAI, model_id: str) -> list[Generation]:
-    """Each prompt's greedy tokens and top-2 margins, all prompts in one batch."""
-    response = client.completions.create(
-        model=model_id, prompt=PROMPTS, max_tokens=STREAM_TOKENS, temperature=0, logprobs=2,
-        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
-    )  # fmt: skip
-    out = [None] * len(PROMPTS)
-    for choice in response.choices:
-        tops = [sorted(top.values(), reverse=True) for top in choice.logprobs.top_logprobs]
-        out[choice.index] = Generation([token_id(t) for t in choice.logprobs.tokens], [a - b for a, b, *_ in tops], [])
-    return out
-
-
 def compare(reference: list[Generation], answers: dict[int, list[int]]) -> list[str]:
     """Client i asked prompt i mod 8: its tokens are the fault-free run's, but where that run's
     top-2 margin was a tie. Returns the divergences (ties)."""
@@ -74,7 +62,7 @@ def test_killed_workers_fail_over_to_replicas_under_streaming_load(model_dir, pr
     model = model_dir("qwen3_moe")
     workers = start_workers(processes, model, NUM_WORKERS, tag="failover", replicas=2)
     base_url, client, model_id = start_attention(processes, "failover-attention", model, workers, "--dtype", "float32")
-    reference = fault_free(client, model_id)
+    reference = generate(base_url, STREAM_TOKENS)
 
     streamed = [0]
     arrivals: list[float] = []  # when each chunk of any client arrived
@@ -137,7 +125,7 @@ def test_killed_workers_fail_over_to_replicas_under_streaming_load(model_dir, pr
         assert time.monotonic() < deadline, "the restarted and the resumed workers rejoin within 60 s"
         time.sleep(0.2)
     before = [total(scrape(workers.metrics_urls[w]), "hetero_moe_worker_requests_total", status="OK") for w in (1, 3, 6)]
-    again = compare(reference, {i: g.tokens for i, g in enumerate(fault_free(client, model_id))})
+    again = compare(reference, {i: g.tokens for i, g in enumerate(generate(base_url, STREAM_TOKENS))})
     after = [total(scrape(workers.metrics_urls[w]), "hetero_moe_worker_requests_total", status="OK") for w in (1, 3, 6)]
     assert all(b > a for a, b in zip(before, after)), f"workers 1, 3, 6 computed {before} -> {after}: not all again"
     samples = scrape(f"{base_url}/metrics")

@@ -9,12 +9,14 @@ that stock vLLM and transformers both load. The bytes depend only on (arch, pres
 """
 
 from .build import default_model_dir, make
+from .prompts import PROMPTS
 from .spec import ARCHS, PRESETS, ModelSpec, spec_for
 from .weights import ParamSplit, param_split, read_shapes, tensor_specs
 
 __all__ = [
     "ARCHS",
     "PRESETS",
+    "PROMPTS",
     "ModelSpec",
     "ParamSplit",
     "default_model_dir",
