@@ -262,6 +262,9 @@ class ExpertTransport:
         assert len(channels) == placement.num_workers, (len(channels), placement)
         self.channels = channels
         self.placement = placement
+        # replica order per turn (period R) and shard, looked up for every slice of every layer
+        self.replica_order = [[placement.replica_workers(s, t) for s in range(placement.num_workers)]
+                              for t in range(placement.replicas)]  # fmt: skip
         self.loss_timeout_s = loss_timeout_s
         self.on_down = on_down
         self.down: dict[int, ExpertWorkerError] = {}  # worker -> why it went down
@@ -353,7 +356,7 @@ class ExpertTransport:
     def _replica(self, shard: int, turn: int) -> int:
         """The first replica of `shard` that is up, in this turn's order; waits for one to come
         back (up to loss_timeout_s) when none is."""
-        replicas = self.placement.replica_workers(shard, turn)
+        replicas = self.replica_order[turn % self.placement.replicas][shard]
         deadline = None
         while True:
             for worker in replicas:
