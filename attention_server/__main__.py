@@ -13,7 +13,7 @@ import sys
 
 from attention_server.config import (
     DATA_PLANES, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_WORKER_LOSS_TIMEOUT_S, MAX_MICROBATCHES, AttentionConfig,
-    share_metrics_across_processes,
+    microbatches_flag, share_metrics_across_processes,
 )  # fmt: skip
 from attention_server.handshake import WorkerMismatchError, check_workers
 from protos.checkpoint import CheckpointError, read_checkpoint
@@ -35,22 +35,25 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--worker-loss-timeout", type=float, default=DEFAULT_WORKER_LOSS_TIMEOUT_S, metavar="S",
                    help="when every worker holding some experts is lost, steps wait this long for one to come back, "
                         "then fail naming it and /health turns unhealthy")
-    p.add_argument("--pingpong-microbatches", type=int, default=1, metavar="M",
+    p.add_argument("--pingpong-microbatches", type=microbatches_flag, default=None, metavar="M|auto",
                    help=f"run steps of at least M requests as M micro-batches (1 to {MAX_MICROBATCHES}) whose attention "
-                        "overlaps the others' experts; 1: off")
+                        "overlaps the others' experts; 1: off; auto (default): M chosen per step from measured times")
     ours, vllm_args = p.parse_known_args(argv)
-    if ours.pingpong_microbatches != 1 and not ours.expert_endpoints:
+    if (ours.pingpong_microbatches or 1) > 1 and not ours.expert_endpoints:
         p.error("--pingpong-microbatches needs --expert-endpoints (without them this is stock vLLM)")
     return ours, ["--model", ours.model, *vllm_args]
 
 
-def pingpong_worker_args(microbatches: int, vllm_argv: list[str]) -> list[str]:
-    """vLLM flags that give its engine the plugin's CPU worker (pingpong.py: ping-pong for m > 1,
-    step timings for any m)."""
+def pingpong_worker_args(microbatches: int | None, vllm_argv: list[str]) -> list[str]:
+    """vLLM flags that give its engine the plugin's CPU worker (pingpong.py: ping-pong for m > 1
+    or auto, step timings for any m)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        if microbatches > 1:
+        if microbatches is None:
+            logger.warning("ping-pong runs on vLLM's CPU platform only (for now): --pingpong-microbatches auto "
+                           "runs every step whole (m = 1) on %s", current_platform.device_name)  # fmt: skip
+        elif microbatches > 1:
             raise ValueError("--pingpong-microbatches above 1 runs on vLLM's CPU platform only (for now)")
         return []
     if any(a == "--worker-cls" or a.startswith("--worker-cls=") for a in vllm_argv):

@@ -7,6 +7,7 @@ HETERO_MOE_EXPERT_ENDPOINTS unset the plugin is off and vLLM runs as stock.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 from dataclasses import dataclass
@@ -24,6 +25,16 @@ DEFAULT_WORKER_LOSS_TIMEOUT_S = 60.0
 PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
+def microbatches_flag(text: str) -> int | None:
+    """The --pingpong-microbatches flag: a count m, or auto (None: m chosen per step, pingpong.py)."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of micro-batches or auto, got {text!r}") from None
+
+
 def parse_endpoint(text: str) -> tuple[str, int]:
     host, sep, port = text.strip().rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -38,7 +49,7 @@ class AttentionConfig:
     expert_endpoints: tuple[str, ...]
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     data_plane: str = "auto"  # auto: shared memory on this host, TCP across hosts, else the gRPC stream
-    pingpong_microbatches: int = 1  # m: steps of at least m requests run as m micro-batches in ping-pong
+    pingpong_microbatches: int | None = None  # m: steps of at least m requests run as m micro-batches; None: auto
     expert_replicas: int | None = None  # R: workers holding each shard; None: what the workers hold
     worker_loss_timeout_s: float = DEFAULT_WORKER_LOSS_TIMEOUT_S  # a shard with no live replica waits this long
 
@@ -53,7 +64,7 @@ class AttentionConfig:
             raise ValueError(f"request timeout must be > 0 s, got {self.request_timeout_s}")
         if self.data_plane not in DATA_PLANES:
             raise ValueError(f"data plane {self.data_plane!r} is not one of {DATA_PLANES}")
-        if not 1 <= self.pingpong_microbatches <= MAX_MICROBATCHES:
+        if self.pingpong_microbatches is not None and not 1 <= self.pingpong_microbatches <= MAX_MICROBATCHES:
             raise ValueError(f"ping-pong micro-batches must be 1 to {MAX_MICROBATCHES}, got {self.pingpong_microbatches}")
         workers = len(self.expert_endpoints)
         if self.expert_replicas is not None and not 1 <= self.expert_replicas <= workers:
@@ -63,7 +74,7 @@ class AttentionConfig:
 
     @classmethod
     def from_flags(cls, endpoints: str, request_timeout_s: float, data_plane: str = "auto",
-                   pingpong_microbatches: int = 1, expert_replicas: int | None = None,
+                   pingpong_microbatches: int | None = None, expert_replicas: int | None = None,
                    worker_loss_timeout_s: float = DEFAULT_WORKER_LOSS_TIMEOUT_S) -> AttentionConfig:  # fmt: skip
         return cls(tuple(e.strip() for e in endpoints.split(",") if e.strip()), request_timeout_s, data_plane,
                    pingpong_microbatches, expert_replicas, worker_loss_timeout_s)  # fmt: skip
@@ -77,7 +88,7 @@ class AttentionConfig:
         replicas = os.environ.get(REPLICAS_ENV)
         return cls.from_flags(
             endpoints, float(os.environ.get(TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT_S)), os.environ.get(DATA_PLANE_ENV, "auto"),
-            int(os.environ.get(PINGPONG_ENV, 1)), int(replicas) if replicas else None,
+            microbatches_flag(os.environ.get(PINGPONG_ENV, "auto")), int(replicas) if replicas else None,
             float(os.environ.get(WORKER_LOSS_ENV, DEFAULT_WORKER_LOSS_TIMEOUT_S)),
         )  # fmt: skip
 
@@ -86,7 +97,7 @@ class AttentionConfig:
         os.environ[ENDPOINTS_ENV] = ",".join(self.expert_endpoints)
         os.environ[TIMEOUT_ENV] = repr(self.request_timeout_s)
         os.environ[DATA_PLANE_ENV] = self.data_plane
-        os.environ[PINGPONG_ENV] = str(self.pingpong_microbatches)
+        os.environ[PINGPONG_ENV] = "auto" if self.pingpong_microbatches is None else str(self.pingpong_microbatches)
         os.environ[WORKER_LOSS_ENV] = repr(self.worker_loss_timeout_s)
         if self.expert_replicas is None:
             os.environ.pop(REPLICAS_ENV, None)

@@ -17,7 +17,9 @@ asks for m attention-metadata builders (`ubatch_size = m`) before the KV cache i
 the runner decides whether to split (`_determine_batch_execution_and_padding`); vLLM's
 execute_model then cuts the batch into m token-balanced slices and builds each slice's attention
 metadata, as for DBO; the runner's `_model_forward` runs the slices, and times every step's
-forward for the attention node's metrics (hetero_moe_step_*), split or not.
+forward for the attention node's metrics (hetero_moe_step_*), split or not. With m = auto the
+runner asks for MAX_MICROBATCHES builders and sets vLLM's `ubatch_size` per step to the m that
+pingpong_auto.py chose, which execute_model reads when it cuts the batch.
 """
 from __future__ import annotations
 
@@ -33,8 +35,9 @@ import torch
 from vllm.forward_context import override_forward_context
 
 from attention_server import metrics
-from attention_server.config import AttentionConfig
-from attention_server.routed_experts import step_times
+from attention_server.config import MAX_MICROBATCHES, AttentionConfig
+from attention_server.pingpong_auto import AutoMicroBatches
+from attention_server.routed_experts import moe_layer_count, step_times
 from attention_server.vllm_internals import (
     CPUModelRunner, CPUWorker, UBatchContext, cpu_worker, create_forward_context, current_stream, get_forward_context,
     make_ubatch_contexts,
@@ -117,10 +120,13 @@ class PingPongCPUModelRunner(CPUModelRunner):
 
     def __init__(self, vllm_config, device: torch.device):
         super().__init__(vllm_config, device)
-        self.microbatches = max(1, self.parallel_config.ubatch_size)
+        self.microbatches = max(1, self.parallel_config.ubatch_size)  # the most a step is cut into
+        cfg = AttentionConfig.from_env()
+        self.auto = AutoMicroBatches(self.microbatches) if cfg and cfg.pingpong_microbatches is None else None
         self._threads: MicroBatchThreads | None = None
         self._in_step = False  # inside execute_model; vLLM's dummy runs are never split
         self._times: metrics.StepTimes | None = None  # found once the model is loaded
+        self._moe_layers = 0
 
     def execute_model(self, *args, **kwargs):
         self._in_step = True
@@ -134,21 +140,28 @@ class PingPongCPUModelRunner(CPUModelRunner):
             num_tokens, num_reqs, *args, **kwargs
         )
         if self._in_step:
+            m = self.microbatches if self.auto is None else self.auto.choose(num_tokens, num_reqs)
             # allow_microbatching is vLLM's own veto (a prefix-cache reader split from its writer).
-            split = self.microbatches > 1 and kwargs.get("allow_microbatching", True) and num_reqs >= self.microbatches
+            split = m > 1 and kwargs.get("allow_microbatching", True) and num_reqs >= m
+            if split:
+                self.parallel_config.ubatch_size = m  # execute_model cuts the batch into num_ubatches
         return mode, descriptor, split, across_dp, stats
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
                        **model_kwargs):  # fmt: skip
         if self._times is None:
             self._times = step_times(self.vllm_config) or metrics.StepTimes()
+            self._moe_layers = moe_layer_count(self.vllm_config)
         start = time.perf_counter()
         step = get_forward_context()
         if step.ubatch_slices is None:
             out = super()._model_forward(input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs)
         else:
             out = self._pingpong(step, input_ids, positions, intermediate_tensors, inputs_embeds, model_kwargs)
-        self._times.publish(time.perf_counter() - start, 1 if step.ubatch_slices is None else len(step.ubatch_slices))
+        forward_s, m = time.perf_counter() - start, 1 if step.ubatch_slices is None else len(step.ubatch_slices)
+        if self.auto is not None and self._in_step:
+            self.auto.observe(m, input_ids.shape[0], self._moe_layers, forward_s, self._times.expert_wait_s)
+        self._times.publish(forward_s, m)
         return out
 
     def _pingpong(self, step, input_ids, positions, intermediate_tensors, inputs_embeds, model_kwargs) -> torch.Tensor:
@@ -200,11 +213,14 @@ class PingPongCPUWorker(CPUWorker):
     def init_device(self) -> None:
         cfg = AttentionConfig.from_env()
         assert cfg is not None, "the ping-pong worker runs with the plugin on"
-        if cfg.pingpong_microbatches > 1:
+        if cfg.pingpong_microbatches is None or cfg.pingpong_microbatches > 1:
             # vLLM refuses micro-batching without DeepEP/NIXL when it builds the config, so m is set here,
             # after that check and before the KV cache makes one metadata builder per micro-batch.
-            self.parallel_config.ubatch_size = cfg.pingpong_microbatches
-            logger.info("hetero-moe: ping-pong with %d micro-batches on steps of at least that many requests",
-                        cfg.pingpong_microbatches)  # fmt: skip
+            self.parallel_config.ubatch_size = cfg.pingpong_microbatches or MAX_MICROBATCHES
+            if cfg.pingpong_microbatches is None:
+                logger.info("hetero-moe: ping-pong with 1 to %d micro-batches, chosen per step", MAX_MICROBATCHES)
+            else:
+                logger.info("hetero-moe: ping-pong with %d micro-batches on steps of at least that many requests",
+                            cfg.pingpong_microbatches)  # fmt: skip
         with _builds_runner(PingPongCPUModelRunner):
             super().init_device()

@@ -170,6 +170,12 @@ class RemoteRoutedExperts(RoutedExperts):
         return out
 
 
+def moe_layer_count(vllm_config) -> int:
+    """MoE layers of the model whose experts are remote."""
+    layers = vllm_config.compilation_config.static_forward_context.values()
+    return sum(isinstance(layer, RemoteRoutedExperts) for layer in layers)
+
+
 def step_times(vllm_config) -> metrics.StepTimes | None:
     """The step timings of this process's remote experts, None when the model has none."""
     for layer in vllm_config.compilation_config.static_forward_context.values():

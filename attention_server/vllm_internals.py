@@ -61,6 +61,9 @@ def check() -> list[str]:
     problems += [f"UBatchContext no longer takes {n!r}" for n in ("compute_stream", "comm_stream") if n not in init]
     source = inspect.getsource(UBatchContext.__init__)
     problems += [f"UBatchContext has no attribute {n!r}" for n in _CONTEXT_ATTRIBUTES if f"self.{n} =" not in source]
+    # --pingpong-microbatches auto sets ubatch_size per step, before execute_model cuts the batch
+    if "self.parallel_config.num_ubatches" not in inspect.getsource(CPUModelRunner.execute_model):
+        problems.append("execute_model no longer reads parallel_config.num_ubatches when it cuts a step")
     fields = ForwardContext.__dataclass_fields__
     problems += [f"ForwardContext has no field {n!r}" for n in _FORWARD_CONTEXT_FIELDS if n not in fields]
     problems += [f"ParallelConfig has no {n!r}" for n in _PARALLEL_CONFIG_FIELDS if not hasattr(ParallelConfig, n)]

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from attention_server.config import DATA_PLANES
+from attention_server.config import DATA_PLANES, microbatches_flag
 from cluster.launcher import Cluster, ClusterSpec, stop_detached
 from protos.checkpoint import read_checkpoint
 from protos.placement import available_host_memory, choose_replicas, replicas_flag
@@ -60,8 +60,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     up.add_argument("--worker-loss-timeout", type=float, default=None, metavar="S",
                     help="when every worker holding some experts is lost, steps wait this long for one to come back "
                          "(attention_server's default: 60), then the attention server stops and so does `up`")
-    up.add_argument("--pingpong-microbatches", type=int, default=1, metavar="M",
-                    help="steps of at least M requests run as M micro-batches in ping-pong (1 to 4); 1: off")
+    up.add_argument("--pingpong-microbatches", type=microbatches_flag, default=None, metavar="M|auto",
+                    help="steps of at least M requests run as M micro-batches in ping-pong (1 to 4); 1: off; "
+                         "auto (default): M chosen per step from measured times")
     up.add_argument("--ready-timeout", type=float, default=900.0)
     up.add_argument("--detach", action="store_true", help="return once serving; stop with `down`")
     up.add_argument("--run-dir", type=Path, default=default_run_dir(), help="logs and the detached cluster's state")

@@ -39,7 +39,7 @@ class ClusterSpec:
     worker_metrics_base_port: int
     worker_data_base_port: int = 0  # worker i's TCP data plane listens on base + i; 0: each picks a free port
     data_plane: str = "auto"  # how rows travel to the workers (attention_server --data-plane)
-    pingpong_microbatches: int = 1  # attention_server --pingpong-microbatches
+    pingpong_microbatches: int | None = None  # attention_server --pingpong-microbatches; None: auto
     expert_replicas: int | None = None  # --expert-replicas of the workers and the attention server; None: auto
     worker_loss_timeout_s: float | None = None  # attention_server --worker-loss-timeout; None: its default
     vllm_args: tuple[str, ...] = ()
@@ -91,7 +91,7 @@ class ClusterSpec:
             "--model", str(self.model),
             "--expert-endpoints", ",".join(self.endpoints),
             "--data-plane", self.data_plane,
-            "--pingpong-microbatches", str(self.pingpong_microbatches),
+            "--pingpong-microbatches", "auto" if self.pingpong_microbatches is None else str(self.pingpong_microbatches),
             *self._replicas_args(),
             *(("--worker-loss-timeout", str(self.worker_loss_timeout_s)) if self.worker_loss_timeout_s is not None else ()),
             "--host", self.host,

@@ -28,6 +28,17 @@ def test_microbatches_outside_one_to_four_are_refused(m):
         AttentionConfig(("127.0.0.1:1",), pingpong_microbatches=m)
 
 
+def test_microbatches_flag_takes_a_count_or_auto():
+    import argparse
+
+    from attention_server.config import microbatches_flag
+
+    assert microbatches_flag("3") == 3 and microbatches_flag("auto") is None
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a number of micro-batches or auto, got 'two'"):
+        microbatches_flag("two")
+    assert AttentionConfig(("127.0.0.1:1",)).pingpong_microbatches is None, "auto is the default"
+
+
 def test_pingpong_without_workers_is_an_error_not_stock_vllm():
     run = subprocess.run([sys.executable, "-m", "attention_server", "--model", "unused", "--pingpong-microbatches", "2"],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -90,3 +101,73 @@ def test_a_failing_microbatch_fails_the_step_without_stalling_the_others(fail_at
     assert [str(e) for e in outcome] == [f"micro-batch {fail_at[0]} failed at layer {fail_at[1]}"]
     results, order = _run(threads, 3)  # and the next step runs as usual
     assert results == [0, 1, 2] and order == [(i, layer) for layer in range(LAYERS) for i in range(3)]
+
+
+class LayerModel:
+    """A cluster that behaves as MegaScale's model says, ms per MoE layer: node time b, overhead o
+    per extra micro-batch, round trip r of which c does not shrink with the rows; plus `unmodelled`
+    ms per layer at every m > 1 that the model leaves out (fill and drain, hand-offs)."""
+
+    def __init__(self, b: float, o: float, r: float, c: float, unmodelled: float = 0.0):
+        self.b, self.o, self.r, self.c, self.unmodelled = b, o, r, c, unmodelled
+
+    def step(self, m: int, layers: int = 4) -> tuple[float, float]:
+        """(forward s, expert wait s) of one step."""
+        node = self.b + (m - 1) * self.o + (self.unmodelled if m > 1 else 0.0)
+        layer = max(node, node / m + self.c + (self.r - self.c) / m)
+        return layers * layer / 1e3, layers * (layer - node) / 1e3
+
+    def best(self, limit: int = 4) -> int:
+        return min(range(1, limit + 1), key=lambda m: self.step(m)[0])
+
+
+def _drive(auto, cluster: LayerModel, steps: int, num_reqs: int = 16) -> list[int]:
+    chosen = []
+    for _ in range(steps):
+        m = auto.choose(num_reqs, num_reqs)
+        auto.observe(m, num_reqs, 4, *cluster.step(m))
+        chosen.append(m)
+    return chosen
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    [
+        LayerModel(b=1.0, o=0.1, r=1.0, c=0.1),  # expert time = attention time: m = 2
+        LayerModel(b=1.0, o=0.3, r=2.0, c=0.5),  # transport-heavy: m = 3
+        LayerModel(b=1.0, o=0.05, r=4.0, c=0.2),  # experts dominate: m = 4
+        LayerModel(b=1.0, o=1.5, r=1.0, c=0.5),  # a micro-batch costs more than it hides: m = 1
+        LayerModel(b=1.0, o=0.2, r=1.2, c=0.2, unmodelled=1.0),  # the model promises what a split does not give
+    ],
+    ids=["m2", "m3", "m4", "m1", "m1-unmodelled"],
+)
+def test_auto_settles_on_the_m_the_model_predicts(cluster):
+    from attention_server.pingpong_auto import EXPIRE_STEPS, MIN_SAMPLES, AutoMicroBatches
+
+    chosen = _drive(AutoMicroBatches(4), cluster, 2 * EXPIRE_STEPS)
+    best = cluster.best()
+    assert chosen[: 2 * MIN_SAMPLES] == [1] * MIN_SAMPLES + [2] * MIN_SAMPLES, "first whole, then m = 2"
+    # apart from the steps that measure the others, now and once their measurements expire
+    assert chosen.count(best) >= 0.95 * len(chosen), (best, chosen)
+    spent = sum(cluster.step(m)[0] for m in chosen)
+    assert spent <= 1.05 * len(chosen) * cluster.step(best)[0], (best, chosen)
+
+
+def test_one_slow_step_does_not_move_auto():
+    from attention_server.pingpong_auto import AutoMicroBatches
+
+    auto, cluster = AutoMicroBatches(4), LayerModel(b=1.0, o=1.5, r=1.0, c=0.5)  # m = 1 is best
+    for i in range(12):
+        m = auto.choose(16, 16)
+        forward, wait = cluster.step(m)
+        auto.observe(m, 16, 4, forward * (6 if i == 1 else 1), wait * (6 if i == 1 else 1))  # a pause
+    assert _drive(auto, cluster, 50) == [1] * 50
+
+
+def test_auto_runs_small_batches_whole():
+    from attention_server.pingpong_auto import AutoMicroBatches
+
+    auto = AutoMicroBatches(4)
+    cluster = LayerModel(b=1.0, o=0.05, r=4.0, c=0.2)
+    assert set(_drive(auto, cluster, 20, num_reqs=1)) == {1}
+    assert max(_drive(auto, cluster, 20, num_reqs=2)) == 2, "never more micro-batches than requests"

@@ -1,0 +1,139 @@
+"""`--pingpong-microbatches auto`: m per step from MegaScale-Infer's model, checked by measurement.
+
+Per MoE layer, with the attention node's own time b (attention, routers, dispatch, combine) and
+the experts' round trip r, one micro-batch (m = 1) takes b + r. Cut into m micro-batches, the
+node's time grows by a fixed overhead o per extra micro-batch, b(m) = b + (m - 1)·o, and a
+micro-batch's round trip shrinks to r(m) = c + (r - c)/m, c being the part that does not shrink
+with its rows (the transport's latency, per-request costs). Micro-batch i waits for its experts
+while the others run their attention, so a layer takes the longer of the node's time and one
+micro-batch's cycle (DESIGN.md §4):
+
+    t(m) = max(b(m), b(m)/m + r(m))
+
+b and r are measured on steps that run whole; o on a step at any m > 1 (its node time); c on a
+step at m > 1 that waited for its experts (its layer time then is the cycle). The model leaves out
+what a real step adds (the pipeline's fill and drain, thread hand-offs that cost more on a busy
+host), so it only proposes: an m that has run is judged by its measured layer time, and the
+model's t(m) stands in for those that have not.
+
+Every figure is the median of its last WINDOW values, per batch size (a power-of-two bucket of
+the step's tokens): one slow step (a pause, the first decode after a prefill) moves nothing. An m
+is measured over MIN_SAMPLES steps in a row before it is judged: a new batch size runs whole
+first, then at m = 2, then at whatever the figures favour. A measurement not renewed within
+EXPIRE_STEPS steps of its bucket is dropped, so that a changed load is measured again. A batch of
+fewer than 2 requests runs whole.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+WINDOW = 9  # values per median
+MIN_SAMPLES = 3  # steps in a row an m runs before it is judged
+EXPIRE_STEPS = 500  # steps of a bucket after which an m not run since is measured again
+MIN_GAIN = 0.03  # another m must be this much faster than the best measured one to be run
+WAIT_BOUND = 0.05  # a split step whose wait is at least this share of its layer time measures c
+
+
+class Recent:
+    """The median of the last WINDOW values, and the step of the last one."""
+
+    def __init__(self) -> None:
+        self.values: deque[float] = deque(maxlen=WINDOW)
+        self.seen = 0
+
+    def add(self, value: float, step: int) -> None:
+        self.values.append(value)
+        self.seen = step
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+@dataclass(slots=True)
+class LayerTimes:
+    """One bucket's figures, seconds per MoE layer."""
+
+    node: Recent = field(default_factory=Recent)  # b: the attention node's own time, m = 1
+    round_trip: Recent = field(default_factory=Recent)  # r: waiting for the experts, m = 1
+    overhead: Recent = field(default_factory=Recent)  # o: node time added by each extra micro-batch
+    fixed: Recent = field(default_factory=Recent)  # c: the part of r that does not shrink with the rows
+    measured: dict[int, Recent] = field(default_factory=dict)  # layer time at each m
+    steps: int = 0  # steps of this bucket so far
+    last: int = 1  # the m of the last step
+
+    def samples(self, m: int) -> int:
+        """Current measurements of m (none once expired)."""
+        recent = self.measured.get(m)
+        if recent is None or self.steps - recent.seen >= EXPIRE_STEPS:
+            return 0
+        return len(recent)
+
+    def predict(self, m: int) -> float:
+        """t(m) from the model; needs node and round_trip, and overhead for m > 1."""
+        b, r = self.node.median, self.round_trip.median
+        if m == 1:
+            return b + r
+        node = b + (m - 1) * self.overhead.median
+        c = self.fixed.median if len(self.fixed) else 0.0  # unknown: the most a split can gain
+        return max(node, node / m + c + (r - c) / m)
+
+
+class AutoMicroBatches:
+    """Chooses each step's m and learns from how the step went."""
+
+    def __init__(self, max_microbatches: int):
+        self.max_microbatches = max_microbatches
+        self.buckets: dict[int, LayerTimes] = {}
+
+    def _times(self, num_tokens: int) -> LayerTimes:
+        return self.buckets.setdefault(num_tokens.bit_length(), LayerTimes())
+
+    def choose(self, num_tokens: int, num_reqs: int) -> int:
+        limit = min(self.max_microbatches, num_reqs)
+        if limit < 2:
+            return 1
+        times = self._times(num_tokens)
+        if times.last <= limit and 0 < times.samples(times.last) < MIN_SAMPLES:
+            return times.last  # measuring it
+        if times.samples(1) == 0:
+            return 1
+        if not len(times.overhead):
+            return 2
+        best, best_t = 1, times.measured[1].median
+        for m in range(2, limit + 1):
+            t = times.measured[m].median if times.samples(m) else times.predict(m)
+            if t < best_t * (1 - MIN_GAIN):
+                best, best_t = m, t
+        return best
+
+    def observe(self, m: int, num_tokens: int, moe_layers: int, forward_s: float, wait_s: float) -> None:
+        """A step of num_tokens tokens that ran as m micro-batches: its forward and the time it
+        spent blocked on the workers, summed over its layers."""
+        if moe_layers == 0 or forward_s <= 0:
+            return
+        times = self._times(num_tokens)
+        times.steps += 1
+        if not times.samples(m):
+            times.measured[m] = Recent()  # expired: measured afresh
+        layer, wait = forward_s / moe_layers, wait_s / moe_layers
+        times.measured[m].add(layer, times.steps)
+        times.last = m
+        node = layer - wait
+        if m == 1:
+            times.node.add(node, times.steps)
+            times.round_trip.add(wait, times.steps)
+            return
+        if not len(times.node):
+            return
+        b, r = times.node.median, times.round_trip.median
+        times.overhead.add(max(0.0, (node - b) / (m - 1)), times.steps)
+        if wait >= WAIT_BOUND * layer:
+            # the micro-batches waited, so the layer is their cycle: layer = node/m + c + (r - c)/m
+            c = (layer - node / m - r / m) / (1 - 1 / m)
+            times.fixed.add(min(max(c, 0.0), r), times.steps)
