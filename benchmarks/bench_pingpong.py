@@ -1,6 +1,6 @@
-"""make bench-pingpong: decode step time and throughput with m = 1, 2, 3, 4 micro-batches in ping-pong.
+"""make bench-pingpong: decode step time and throughput with m = 1, 2, 3, 4 and auto micro-batches in ping-pong.
 
-    python -m benchmarks.bench_pingpong [--out FILE] [--batch 16] [--workers 8] [--microbatches 1,2,3,4]
+    python -m benchmarks.bench_pingpong [--out FILE] [--batch 16] [--workers 8] [--microbatches 1,2,3,4,auto]
 
 The cluster on the embedded tiny model (4 MoE layers, compiled), loopback only; a batch of B
 requests with a long prompt (so that attention is a real part of the attention node's time)
@@ -16,6 +16,11 @@ remote time this machine adds by itself (own: transport and the workers' CPU). T
   above a, as the wait at m = 1 shows;
 - transport-heavy: that, plus a fixed delay per Forward of twice a (a slow link), where more
   micro-batches keep paying off.
+
+auto (attention_server/pingpong_auto.py) is measured like the others, after the same warm-up
+request, and reported beside the best fixed m with the steps it ran at each m. Every point also
+runs 16 clients streaming at once (requests that come and go, as users' do): output tokens/s and
+how many requests failed.
 
 Beside each measured step, the ideal from DESIGN.md §4 for this emulation: one layer takes
 max(a, a/m + r(m)) with r(m) = own + d + e/m a micro-batch's remote time (d the fixed delay, e
@@ -58,22 +63,36 @@ ROUNDS = 3
 @dataclass
 class Point:
     regime: str
-    microbatches: int
+    microbatches: int | None  # None: auto
     step_ms: float  # decode step: one token for every request of the batch
     tokens_per_s: float
     forward_ms: float  # the model forward within a step (attention node's metrics)
     expert_wait_ms: float  # of which blocked waiting for the workers
     ideal_step_ms: float | None = None
+    steps_by_microbatches: dict[str, float] | None = None  # decode steps measured, by the m they ran in
+    streams_tokens_per_s: float = 0.0  # 16 clients streaming at once
+    streams_failed: int = 0
+
+    @property
+    def label(self) -> str:
+        return "auto" if self.microbatches is None else str(self.microbatches)
+
+
+STEPS_BY_M = "hetero_moe_pingpong_steps_total"
 
 
 def scrape_sums(url: str) -> dict[str, float]:
+    """The step histograms' sums and counts, and the steps by m (keyed `STEPS_BY_M m`)."""
     import urllib.request
 
     out: dict[str, float] = {}
     for line in urllib.request.urlopen(url, timeout=30).read().decode().splitlines():
+        name, _, value = line.rpartition(" ")
         if line.startswith("hetero_moe_step_") and ("_sum" in line or "_count" in line):
-            name, value = line.rsplit(" ", 1)
             out[name] = out.get(name, 0.0) + float(value)
+        elif line.startswith(STEPS_BY_M + "{"):
+            m = name.split('microbatches="')[1].split('"')[0]
+            out[f"{STEPS_BY_M} {m}"] = out.get(f"{STEPS_BY_M} {m}", 0.0) + float(value)
     return out
 
 
@@ -82,6 +101,33 @@ def decode_seconds(client, model: str, batch: int, tokens: int) -> float:
     client.completions.create(model=model, prompt=[PROMPT] * batch, max_tokens=tokens, temperature=0,
                               extra_body={"ignore_eos": True})  # fmt: skip
     return time.perf_counter() - start
+
+
+STREAMS = 16
+
+
+def streams(client, model: str) -> tuple[float, int]:
+    """(output tokens/s, failed requests) of STREAMS clients streaming DECODE_TOKENS tokens each at once."""
+    import threading
+
+    tokens, failed = [0] * STREAMS, [0]
+
+    def one(i: int) -> None:
+        try:
+            chunks = client.completions.create(model=model, prompt=f"{i} {PROMPT}", max_tokens=DECODE_TOKENS,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+            tokens[i] = sum(1 for c in chunks if c.choices and c.choices[0].text is not None)
+        except Exception:  # counted: the bench reports failures instead of dying on them
+            logger.exception("stream %d failed", i)
+            failed[0] += 1
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(STREAMS)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(tokens) / (time.perf_counter() - start), failed[0]
 
 
 def prompt_tokens(base_url: str) -> int:
@@ -93,7 +139,7 @@ def prompt_tokens(base_url: str) -> int:
     return client.completions.create(model=model, prompt=PROMPT, max_tokens=1).usage.prompt_tokens
 
 
-def measure(base_url: str, batch: int, regime: str, m: int) -> Point:
+def measure(base_url: str, batch: int, regime: str, m: int | None) -> Point:
     """Decode step = (time of DECODE_TOKENS tokens - time of 1) / (DECODE_TOKENS - 1), median of
     rounds; the attention node's forward and expert wait per decode step the same way, from its
     metrics (the 1-token request is the prefill the other also has)."""
@@ -105,7 +151,7 @@ def measure(base_url: str, batch: int, regime: str, m: int) -> Point:
     model = client.models.list().data[0].id
     decode_seconds(client, model, batch, 4)  # warm: the batch shape compiled, caches filled
     url = f"{base_url}/metrics"
-    steps, rates, forwards, waits = [], [], [], []
+    steps, rates, forwards, waits, by_m = [], [], [], [], {}
     for _ in range(ROUNDS):
         s0 = scrape_sums(url)
         one = decode_seconds(client, model, batch, 1)
@@ -114,15 +160,21 @@ def measure(base_url: str, batch: int, regime: str, m: int) -> Point:
         s2 = scrape_sums(url)
 
         def decode_only(name: str) -> float:
-            return (s2[name] - s1[name]) - (s1[name] - s0[name])
+            return (s2.get(name, 0.0) - s1.get(name, 0.0)) - (s1.get(name, 0.0) - s0.get(name, 0.0))
 
         count = decode_only("hetero_moe_step_forward_seconds_count")
         steps.append((full - one) / (DECODE_TOKENS - 1))
         rates.append(batch * DECODE_TOKENS / full)
         forwards.append(decode_only("hetero_moe_step_forward_seconds_sum") / count)
         waits.append(decode_only("hetero_moe_step_expert_wait_seconds_sum") / count)
+        for key in s2:
+            if key.startswith(STEPS_BY_M + " "):
+                by_m[key.split()[1]] = by_m.get(key.split()[1], 0.0) + decode_only(key)
+    rate, failed = streams(client, model)
     return Point(regime, m, 1e3 * statistics.median(steps), statistics.median(rates),
-                 1e3 * statistics.median(forwards), 1e3 * statistics.median(waits))  # fmt: skip
+                 1e3 * statistics.median(forwards), 1e3 * statistics.median(waits),
+                 steps_by_microbatches={k: v for k, v in sorted(by_m.items()) if v},
+                 streams_tokens_per_s=rate, streams_failed=failed)  # fmt: skip
 
 
 class Cluster:
@@ -143,14 +195,15 @@ class Cluster:
                 self.procs[f"worker-{i}"] = subprocess.Popen(self.spec.worker_command(i) + extra, stdout=f,
                                                              stderr=subprocess.STDOUT, start_new_session=True, env=env)  # fmt: skip
 
-    def start_attention(self, m: int) -> str:
+    def start_attention(self, m: int | None) -> str:
         self.stop("attention")
         (port,) = free_ports(1)
+        flag = "auto" if m is None else str(m)
         cmd = [sys.executable, "-m", "attention_server", "--model", str(self.model), "--expert-endpoints",
-               ",".join(self.spec.endpoints), "--pingpong-microbatches", str(m), "--host", HOST, "--port", str(port),
+               ",".join(self.spec.endpoints), "--pingpong-microbatches", flag, "--host", HOST, "--port", str(port),
                *VLLM_ARGS]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")}
-        with (self.logs / f"attention-m{m}.log").open("wb") as f:
+        with (self.logs / f"attention-m{flag}.log").open("wb") as f:
             self.procs["attention"] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                                        start_new_session=True, env=env)  # fmt: skip
         base_url = f"http://{HOST}:{port}"
@@ -181,11 +234,11 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("results/bench_pingpong.json"))
     p.add_argument("--batch", type=int, default=16, help="requests decoding together")
-    p.add_argument("--microbatches", default="1,2,3,4")
+    p.add_argument("--microbatches", default="1,2,3,4,auto")
     p.add_argument("--workers", type=int, default=8, help="expert workers (each costs this machine CPU per request)")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ms = [int(x) for x in a.microbatches.split(",")]
+    ms = [None if x == "auto" else int(x) for x in a.microbatches.split(",")]
     assert ms[0] == 1, "m = 1 first: it calibrates the regimes and the ideal"
     a.out.parent.mkdir(parents=True, exist_ok=True)
     logs = a.out.parent / "bench-pingpong-logs"
@@ -226,18 +279,24 @@ def main() -> None:
             for m in ms:
                 point = measure(cluster.start_attention(m), a.batch, regime, m)
                 base = base or point
-                point.ideal_step_ms = ideal_step_ms(base, layers, m, own_remote_ms, delays["delay_ms"])
+                # auto's ideal: the best m's
+                point.ideal_step_ms = min(ideal_step_ms(base, layers, i, own_remote_ms, delays["delay_ms"])
+                                          for i in ([m] if m else range(1, 5)))  # fmt: skip
                 points.append(point)
                 logger.info("%s", point)
     finally:
         cluster.stop()
-    header = f"{'regime':22} {'m':>2} {'step ms':>8} {'ideal ms':>9} {'x m=1':>6} {'tok/s':>7} {'wait ms':>8}"
+    header = (f"{'regime':22} {'m':>4} {'step ms':>8} {'ideal ms':>9} {'x m=1':>6} {'x best m':>8} {'tok/s':>7} "
+              f"{'wait ms':>8} {'16 streams tok/s':>16} {'failed':>6}  decode steps by m")  # fmt: skip
     lines = [header]
     for pt in points:
         base = next(q for q in points if q.regime == pt.regime and q.microbatches == 1)
+        fixed = min(q.step_ms for q in points if q.regime == pt.regime and q.microbatches is not None)
         ideal = "" if pt.ideal_step_ms is None else f"{pt.ideal_step_ms:.2f}"
-        lines.append(f"{pt.regime:22} {pt.microbatches:>2} {pt.step_ms:8.2f} {ideal:>9} "
-                     f"{pt.step_ms / base.step_ms:6.2f} {pt.tokens_per_s:7.0f} {pt.expert_wait_ms:8.2f}")  # fmt: skip
+        by_m = " ".join(f"{k}:{v:.0f}" for k, v in (pt.steps_by_microbatches or {}).items())
+        lines.append(f"{pt.regime:22} {pt.label:>4} {pt.step_ms:8.2f} {ideal:>9} {pt.step_ms / base.step_ms:6.2f} "
+                     f"{pt.step_ms / fixed:8.2f} {pt.tokens_per_s:7.0f} {pt.expert_wait_ms:8.2f} "
+                     f"{pt.streams_tokens_per_s:16.0f} {pt.streams_failed:6d}  {by_m}")  # fmt: skip
     for regime, delays in regimes.items():
         lines.append(f"{regime}: workers hold each reply {delays['delay_ms']:.2f} ms + "
                      f"{delays['delay_us_per_row']:.1f} µs per row (benchmark-only emulation of pool B)")
@@ -273,13 +332,16 @@ def plot(points: list[Point], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for regime in dict.fromkeys(pt.regime for pt in points if pt.ideal_step_ms is not None):
-        mine = [pt for pt in points if pt.regime == regime]
+        mine = [pt for pt in points if pt.regime == regime and pt.microbatches is not None]
         (line,) = ax.plot([pt.microbatches for pt in mine], [pt.step_ms for pt in mine], "o-", label=f"{regime}")
         ax.plot([pt.microbatches for pt in mine], [pt.ideal_step_ms for pt in mine], "--", color=line.get_color(),
                 label=f"{regime}, ideal (DESIGN §4)")  # fmt: skip
+        for pt in points:
+            if pt.regime == regime and pt.microbatches is None:
+                ax.axhline(pt.step_ms, linestyle=":", color=line.get_color(), label=f"{regime}, auto")
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("decode step, ms")
-    ax.set_xticks(sorted({pt.microbatches for pt in points}))
+    ax.set_xticks(sorted({pt.microbatches for pt in points if pt.microbatches is not None}))
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     ax.set_title("ping-pong on the tiny model (CPU, emulated pool B)")
