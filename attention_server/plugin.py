@@ -13,4 +13,20 @@ def register() -> None:
         return
     from attention_server import routed_experts
 
+    allow_amx_tiles()
     routed_experts.install()
+
+
+def allow_amx_tiles() -> None:
+    """Ask Linux for this process's AMX tile state where the CPU has AMX.
+
+    vLLM 0.32's CPU attention picks its AMX kernels for bf16 on such CPUs but never asks for the
+    tile state (arch_prctl ARCH_REQ_XCOMP_PERM), which the kernel requires before the first tile
+    instruction; oneDNN asks when it first uses AMX itself. So an engine whose first AMX
+    instruction is vLLM's (eager mode, a first prompt of one or two tokens) dies of SIGILL: seen on
+    a 2-core Xeon with AMX, stock vLLM included. torch's own request is idempotent.
+    """
+    import torch
+
+    if torch.cpu._is_amx_tile_supported() and not torch._C._cpu._init_amx():
+        raise RuntimeError("this CPU has AMX but Linux refused this process its tile state")
