@@ -72,7 +72,9 @@ class Tolerance:
 
 TOLERANCES = {
     "float32": Tolerance(margin=1e-3, drift=1e-3, agreement=254),
-    "bfloat16": Tolerance(margin=1.0, drift=1.5, agreement=248),
+    # bf16 drift: 2.1 at one step of 256 (median 0.062, p99 0.25) on a CPU with AMX, whose bf16
+    # kernels stock vLLM runs (1.5 sufficed on AVX2); the same with the code before auto landed
+    "bfloat16": Tolerance(margin=1.0, drift=2.5, agreement=248),
 }
 
 
@@ -320,10 +322,14 @@ def test_requests_of_different_lengths_arriving_mid_batch(cluster, capsys):
         samples = scrape(f"{cluster.base_url}/metrics")
         return total(samples, "vllm:num_requests_running") + total(samples, "vllm:request_success_total")
 
+    # The first `together` requests arrive at once, so that steps are split for sure (on a fast
+    # host one-by-one arrivals overlapped by fewer than 4 at m = 4); each later one once the ones
+    # before it are in the engine, decoding.
+    together = cluster.case.pingpong or 4
+
     def ask(i: int) -> None:
-        # Each request arrives once the ones before it are in the engine, decoding.
         deadline = time.monotonic() + 60
-        while started() < already + i and time.monotonic() < deadline:
+        while started() < already + i - together + 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         answers[i] = client.completions.create(
             model=model_id, prompt=PROMPTS[i], max_tokens=lengths[i], temperature=0, logprobs=2,
