@@ -37,7 +37,7 @@ from vllm.forward_context import override_forward_context
 from attention_server import metrics
 from attention_server.config import MAX_MICROBATCHES, AttentionConfig
 from attention_server.pingpong_auto import AutoMicroBatches
-from attention_server.routed_experts import moe_layer_count, step_times
+from attention_server.routed_experts import pool_of
 from attention_server.vllm_internals import (
     CPUModelRunner, CPUWorker, UBatchContext, cpu_worker, create_forward_context, current_stream, get_forward_context,
     make_ubatch_contexts,
@@ -150,8 +150,9 @@ class PingPongCPUModelRunner(CPUModelRunner):
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
                        **model_kwargs):  # fmt: skip
         if self._times is None:
-            self._times = step_times(self.vllm_config) or metrics.StepTimes()
-            self._moe_layers = moe_layer_count(self.vllm_config)
+            pool = pool_of(self.vllm_config)
+            self._times = pool.times if pool else metrics.StepTimes()
+            self._moe_layers = pool.moe_layers if pool else 0
         start = time.perf_counter()
         step = get_forward_context()
         if step.ubatch_slices is None:

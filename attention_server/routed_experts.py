@@ -74,6 +74,7 @@ class ExpertPool:
         self.counts = metrics.DispatchCounts(len(cfg.expert_endpoints))
         self.times = metrics.StepTimes()  # published per step by the model runner (pingpong.py)
         self.last_layer = -1  # the step's last MoE layer publishes its counts
+        self.moe_layers = 0  # RemoteRoutedExperts built on this pool
 
 
 @functools.cache
@@ -119,6 +120,7 @@ class RemoteRoutedExperts(RoutedExperts):
         self.pool = expert_pool(get_current_vllm_config().model_config.model)
         assert len(self.pool.shards) == self.global_num_experts, (len(self.pool.shards), self.global_num_experts)
         self.pool.last_layer = max(self.pool.last_layer, self.layer_index)
+        self.pool.moe_layers += 1
         # Where the custom ops find this layer: vLLM's forward context, as for its own layers.
         self.op_key = f"{layer_name}.remote_experts"
         get_current_vllm_config().compilation_config.static_forward_context[self.op_key] = self
@@ -170,17 +172,11 @@ class RemoteRoutedExperts(RoutedExperts):
         return out
 
 
-def moe_layer_count(vllm_config) -> int:
-    """MoE layers of the model whose experts are remote."""
-    layers = vllm_config.compilation_config.static_forward_context.values()
-    return sum(isinstance(layer, RemoteRoutedExperts) for layer in layers)
-
-
-def step_times(vllm_config) -> metrics.StepTimes | None:
-    """The step timings of this process's remote experts, None when the model has none."""
+def pool_of(vllm_config) -> ExpertPool | None:
+    """The expert pool of this process's model, None when it has no remote experts."""
     for layer in vllm_config.compilation_config.static_forward_context.values():
         if isinstance(layer, RemoteRoutedExperts):
-            return layer.pool.times
+            return layer.pool
     return None
 
 

@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import tiny_models
+from attention_server.config import MAX_MICROBATCHES
 from cluster.launcher import ClusterSpec, free_ports, free_worker_ports, stop_pids, wait_http_ready
 from expert_server.config import BENCHMARK_ENV
 from protos.checkpoint import read_checkpoint
@@ -281,7 +282,7 @@ def main() -> None:
                 base = base or point
                 # auto's ideal: the best m's
                 point.ideal_step_ms = min(ideal_step_ms(base, layers, i, own_remote_ms, delays["delay_ms"])
-                                          for i in ([m] if m else range(1, 5)))  # fmt: skip
+                                          for i in ([m] if m else range(1, MAX_MICROBATCHES + 1)))  # fmt: skip
                 points.append(point)
                 logger.info("%s", point)
     finally:
