@@ -10,7 +10,7 @@ GRPCIO_TOOLS := grpcio-tools==1.66.2
 # imports; every install of the project's extras pulls them back in, so each one drops them.
 DROP_CUDA_EXTRAS = $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 
-.PHONY: venv up down test protos model hipcc bench-kernel bench-memory bench-transport bench-pingpong bench-replicas soak clean
+.PHONY: venv up down test protos model hipcc prometheus bench-kernel bench-memory bench-transport bench-pingpong bench-replicas soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,7 +49,11 @@ down: venv
 hipcc:
 	@command -v hipcc >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q hipcc; }
 
-test: venv $(PROTOS_VENV)/.installed hipcc
+# Debian's Prometheus scrapes a live cluster in tests/test_monitoring.py.
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus; }
+
+test: venv $(PROTOS_VENV)/.installed hipcc prometheus
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench-kernel: venv

@@ -100,9 +100,9 @@ class Header(NamedTuple):
     def expected_payload(self) -> int | None:
         """Payload bytes the shapes imply (None: free-size kinds, ERROR and ECHO)."""
         if self.kind == Kind.FORWARD:
-            return self.rows * self.hidden * codec.torch_dtype(self.dtype).itemsize + self.pairs * _PAIR_BYTES
+            return forward_payload(self.rows, self.hidden, codec.torch_dtype(self.dtype).itemsize, self.pairs)
         if self.kind == Kind.PARTIAL:
-            return self.rows * self.hidden * 4
+            return partial_payload(self.rows, self.hidden)
         return None
 
     def check_payload(self) -> None:
@@ -127,9 +127,19 @@ class ForwardTensors:
     pair_weights: torch.Tensor
 
 
+def forward_payload(rows: int, width: int, itemsize: int, pairs: int) -> int:
+    """FORWARD payload bytes: `rows` rows of the layer input, then the pair block."""
+    return rows * width * itemsize + pairs * _PAIR_BYTES
+
+
+def partial_payload(rows: int, width: int) -> int:
+    """PARTIAL payload bytes: the float32 [rows, width] partial."""
+    return rows * width * 4
+
+
 def forward_header(request: int, layer: int, slot: int, rows: int, width: int, dtype: torch.dtype,
                    pairs: int) -> Header:  # fmt: skip
-    payload = rows * width * dtype.itemsize + pairs * _PAIR_BYTES
+    payload = forward_payload(rows, width, dtype.itemsize, pairs)
     return Header(Kind.FORWARD, request, layer, slot, rows, width, pairs, codec.wire_dtype(dtype), payload=payload)
 
 
@@ -152,7 +162,7 @@ def reply_offset(request_payload: int) -> int:
 def reply_size(header: Header) -> int:
     """Payload bytes of the reply to a request frame."""
     if header.kind == Kind.FORWARD:
-        return header.rows * header.hidden * 4
+        return partial_payload(header.rows, header.hidden)
     return header.payload if header.kind == Kind.ECHO else 0
 
 
@@ -196,7 +206,7 @@ def read_bytes(payload: memoryview | bytearray) -> torch.Tensor:
 def partial_header(request: int, partial: torch.Tensor, compute_ns: int) -> Header:
     rows, width = partial.shape
     return Header(Kind.PARTIAL, request, rows=rows, hidden=width, dtype=codec.wire_dtype(torch.float32),
-                  payload=rows * width * 4, compute_ns=compute_ns)  # fmt: skip
+                  payload=partial_payload(rows, width), compute_ns=compute_ns)  # fmt: skip
 
 
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}

@@ -216,11 +216,14 @@ def assert_workers_did_the_work(before: ClusterCounters, after: ClusterCounters,
 
     pairs = 0.0
     for w, (w0, w1) in enumerate(zip(before.workers, after.workers)):
-        sent = {what: moved(f"hetero_moe_dispatch_{what}_total", worker=str(w)) for what in ("messages", "rows", "pairs")}
+        sent = {what: moved(f"hetero_moe_dispatch_{what}_total", worker=str(w))
+                for what in ("messages", "rows", "pairs", "sent_bytes", "received_bytes")}  # fmt: skip
         done = {
             "messages": moved("hetero_moe_worker_requests_total", w0, w1, status="OK"),
             "rows": moved("hetero_moe_worker_rows_total", w0, w1),
             "pairs": moved("hetero_moe_worker_pairs_total", w0, w1),
+            "sent_bytes": moved("hetero_moe_worker_received_bytes_total", w0, w1),
+            "received_bytes": moved("hetero_moe_worker_sent_bytes_total", w0, w1),
         }
         assert sent == done and done["messages"] > 0, f"worker {w} computed {done}; the plugin sent {sent}"
         planes = {dict(ls)["plane"] for (n, ls), v in a1.items()
@@ -230,6 +233,8 @@ def assert_workers_did_the_work(before: ClusterCounters, after: ClusterCounters,
         assert info == {kernel_backend}, f"worker {w} runs {info}, expected {kernel_backend!r}"
         pairs += done["pairs"]
     assert pairs == top_k * computed * len(moe_layers), f"{pairs} pairs for {computed} tokens x {len(moe_layers)} layers"
+    routed_pairs = {l: moved("hetero_moe_route_pairs_total", layer=str(l)) for l in moe_layers}
+    assert set(routed_pairs.values()) == {top_k * computed}, f"pairs per layer {routed_pairs}"
     return (f"{computed:.0f} tokens x {len(moe_layers)} MoE layers routed, {pairs:.0f} pairs computed by "
             f"{len(after.workers)} workers on {kernel_backend!r}, as the plugin sent them over {plane}")
 

@@ -116,7 +116,7 @@ def test_killed_workers_fail_over_to_replicas_under_streaming_load(model_dir, pr
     assert total(samples, "hetero_moe_transport_failovers_total") > 0
     failed_over = total(samples, "hetero_moe_transport_failovers_total")
 
-    assert total(samples, "hetero_moe_transport_worker_failures_total", worker="1", cause="deadline") == 1
+    assert total(samples, "hetero_moe_transport_errors_total", worker="1", cause="deadline") == 1
 
     for victim in (3, 6):
         workers.restart(victim)

@@ -45,6 +45,8 @@ def test_partition_sends_each_pair_to_its_owner_once():
     assert sorted(seen) == sorted((t, e) for t in range(T) for e in ids[t].tolist())
     shards = [s.shard for s in plan.slices]
     assert all(a < b for a, b in zip(shards, shards[1:])), f"one slice per shard, ascending: {shards}"
+    # The per-expert load the metrics publish: what torch counts in the routing itself.
+    assert plan.expert_pairs.tolist() == torch.bincount(ids.flatten().long(), minlength=E).tolist()
 
 
 def test_idle_workers_get_no_slice():
@@ -131,6 +133,6 @@ def test_answers_arriving_in_reverse_order_are_combined_in_worker_order():
         for s in servers:
             s.stop(None)
     assert answered == [2, 1, 0], "the answers did arrive in reverse"
-    arrival_order = combine(DispatchPlan(1, plan.slices[::-1]), partials[::-1], H, torch.float32)
+    arrival_order = combine(DispatchPlan(1, plan.slices[::-1], plan.expert_pairs), partials[::-1], H, torch.float32)
     assert torch.equal(arrival_order, torch.ones(1, H)), "these partials do make the order visible"
     assert torch.equal(out, torch.zeros(1, H))

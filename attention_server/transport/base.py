@@ -114,6 +114,8 @@ class Channel(ABC):
     def close(self) -> None: ...
 
     def error(self, cause: Cause, details: str, status: str | None = None) -> ExpertWorkerError:
+        if cause is Cause.REFUSED:  # the other causes are counted when the worker is marked down
+            metrics.TRANSPORT_ERRORS.labels(str(self.worker), cause.value).inc()
         return ExpertWorkerError(self.worker, self.endpoint, cause, details, status)
 
 
@@ -270,6 +272,7 @@ class ExpertTransport:
         self.down: dict[int, ExpertWorkerError] = {}  # worker -> why it went down
         self.closed = False
         self.deadlines = Deadlines(len(channels))
+        self.round_trips = [metrics.ROUND_TRIP.labels(str(w)) for w in range(len(channels))]
         for channel in channels:
             self.deadlines.reset(channel)
         self.in_flight: dict[tuple[int, int], Pending] = {}
@@ -294,7 +297,9 @@ class ExpertTransport:
         for i, call in enumerate(pending.calls):  # every reply is read before anything is re-sent
             try:
                 answers.append(call.channel.receive(call.request))
-                self.deadlines.observe(call.channel, time.perf_counter() - call.sent_at)
+                round_trip = time.perf_counter() - call.sent_at
+                self.deadlines.observe(call.channel, round_trip)
+                self.round_trips[call.worker].observe(round_trip)
             except ExpertWorkerError as err:
                 answers.append(None)
                 if err.cause is Cause.REFUSED:
@@ -385,7 +390,7 @@ class ExpertTransport:
         self.down[call.worker] = err.without_traceback()
         call.channel.close()
         metrics.WORKER_UP.labels(str(call.worker)).set(0)
-        metrics.WORKER_FAILURES.labels(str(call.worker), err.cause.value).inc()
+        metrics.TRANSPORT_ERRORS.labels(str(call.worker), err.cause.value).inc()
         logger.warning("expert worker %d is down, its experts go to their other replicas: %s", call.worker, err)
         if self.on_down is not None:
             self.on_down(call.worker)
