@@ -16,6 +16,7 @@ import enum
 import itertools
 import logging
 import socket
+import ssl
 import struct
 import time
 from abc import ABC, abstractmethod
@@ -33,6 +34,10 @@ from protos.frames import FrameError
 from protos.placement import Placement
 
 logger = logging.getLogger(__name__)
+
+
+# What a send or receive past its kernel deadline raises (a TLS socket: its want-read/write errors).
+TIMED_OUT = (TimeoutError, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 def kernel_deadlines(sock: socket.socket, send_s: float, receive_s: float) -> None:
@@ -53,6 +58,7 @@ class Cause(enum.Enum):
     UNAVAILABLE = "unavailable"  # unreachable, connection refused, reset or closed
     DEADLINE = "deadline"  # no answer within the request timeout
     REFUSED = "refused"  # the worker answered with an error status
+    UNAUTHENTICATED = "unauthenticated"  # the worker refused this node's certificate or token
 
 
 class ExpertWorkerError(RuntimeError):
@@ -148,7 +154,7 @@ class OrderedChannel(Channel):
 
     def receive_failed(self, err: Exception) -> ExpertWorkerError:
         """The error a failed read of a reply becomes; the connection is dropped either way."""
-        if isinstance(err, (TimeoutError, BlockingIOError)):  # the kernel's receive deadline
+        if isinstance(err, TIMED_OUT):  # the kernel's receive deadline
             return self.lost(f"no answer within {self.deadline_s:.3g} s", Cause.DEADLINE)
         if isinstance(err, (FrameError, CodecError)):
             return self.lost(f"unreadable reply: {err}", Cause.REFUSED)
