@@ -43,7 +43,13 @@ TIMED_OUT = (TimeoutError, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWri
 def kernel_deadlines(sock: socket.socket, send_s: float, receive_s: float) -> None:
     """Keep `sock` blocking (Python's own timeouts make it non-blocking with a poll before every
     call: twice the system calls, and a receive loop per chunk) and let the kernel bound each send
-    and receive instead: one that waits longer raises BlockingIOError."""
+    and receive instead: one that waits longer raises BlockingIOError.
+
+    Not on TLS: Python's ssl module retries a blocking read that the kernel timed out, forever;
+    there Python's own timeout, `receive_s` for both directions, raises TimeoutError."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(receive_s)
+        return
     sock.settimeout(None)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send_s))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(receive_s))
@@ -136,7 +142,7 @@ class OrderedChannel(Channel):
     def set_deadline(self, seconds: float) -> None:
         super().set_deadline(seconds)
         if self.sock is not None:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+            kernel_deadlines(self.sock, self.timeout_s, seconds)
 
     @abstractmethod
     def read_reply(self) -> tuple[int, Answer | ExpertWorkerError]:

@@ -54,7 +54,6 @@ class TcpChannel(OrderedChannel):
                                  frames.status_name(header.status))  # fmt: skip
             raise self.error(Cause.UNAUTHENTICATED, f"{where}: the worker closed the connection instead of answering "
                              f"our HELLO (over {self.security.describe()}: a worker closes what it cannot authenticate)")
-        sock.settimeout(None)
         kernel_deadlines(sock, self.timeout_s, self.deadline_s)
         return sock
 
