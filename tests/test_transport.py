@@ -297,7 +297,7 @@ def test_a_stopped_worker_costs_one_deadline(model, workers, infos, plane, tmp_p
 
 
 def test_probe_measures_every_plane_it_can_reach(workers):
-    result = subprocess.run([sys.executable, "-m", "attention_server.probe", ",".join(workers.endpoints), "--json",
+    result = subprocess.run([sys.executable, "-m", "attention_server.probe", ",".join(workers.endpoints), *workers.tls_flags, "--json",
                              "--iterations", "20"], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)
