@@ -11,6 +11,9 @@ The TCP, shared-memory and gRPC-stream planes carry the same frames; with protos
     PARTIAL  payload: [rows, hidden] float32; compute_ns: the worker's time in its experts
     ERROR    payload: utf-8 reason; status: the gRPC status code's value
     ECHO     payload: bytes the worker sends back unchanged in an ECHO frame (transport probes)
+    HELLO    payload: the cluster token (protos/security.py; empty in plaintext). A TCP or
+             shared-memory connection opens with one; the worker answers an empty HELLO, or
+             an UNAUTHENTICATED ERROR and closes the connection.
 
 A frame never trusts its header: `Header.unpack` checks magic, version and kind, and
 `payload_size` derives the byte count the shapes imply, which the receiver compares with the
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import socket
+import ssl
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +41,7 @@ GRPC_SERVICE = f"{pb.DESCRIPTOR.package}.FrameStream"
 GRPC_METHOD = f"/{GRPC_SERVICE}/Forward"
 
 MAGIC = 0x454F4D48  # b"HMOE"
-FRAME_VERSION = 1
+FRAME_VERSION = 2  # 2: connections open with a HELLO
 HEADER = struct.Struct("<IHHQIIIIIHHQQ")
 MAX_PAYLOAD_BYTES = 1 << 30
 _PAIR_BYTES = 4 + 4 + 4  # int32 row, int32 expert, float32 weight
@@ -54,6 +58,7 @@ class Kind(enum.IntEnum):
     PARTIAL = 2
     ERROR = 3
     ECHO = 4
+    HELLO = 5
 
 
 _KINDS = {k.value: k for k in Kind}
@@ -98,7 +103,7 @@ class Header(NamedTuple):
         return header
 
     def expected_payload(self) -> int | None:
-        """Payload bytes the shapes imply (None: free-size kinds, ERROR and ECHO)."""
+        """Payload bytes the shapes imply (None: free-size kinds, ERROR, ECHO and HELLO)."""
         if self.kind == Kind.FORWARD:
             return forward_payload(self.rows, self.hidden, codec.torch_dtype(self.dtype).itemsize, self.pairs)
         if self.kind == Kind.PARTIAL:
@@ -222,6 +227,10 @@ def error_frame(request: int, status: int, reason: str) -> tuple[Header, bytes]:
     return Header(Kind.ERROR, request, status=status, payload=len(message)), message
 
 
+def hello_frame(token: bytes) -> tuple[Header, bytes]:
+    return Header(Kind.HELLO, 0, payload=len(token)), token
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor, row-major (a view when it is contiguous)."""
     t = t.contiguous()
@@ -244,6 +253,9 @@ def send_frame(sock: socket.socket, header: Header, parts: Sequence[bytes | memo
 def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
     """Buffers back to back, in one sendmsg where the kernel takes them all, else in pieces."""
     buffers = [memoryview(p).cast("B") for p in parts if len(p)]
+    if isinstance(sock, ssl.SSLSocket):  # no sendmsg on TLS; one record, whose encryption copies anyway
+        sock.sendall(b"".join(buffers))
+        return
     sent = sock.sendmsg(buffers)
     for buffer in buffers:
         size = buffer.nbytes

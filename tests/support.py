@@ -15,7 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.certs import make_certs
 from cluster.launcher import free_ports, free_worker_ports, stop_pids  # noqa: F401 (tests import them from here)
+from protos.security import Security
 from tiny_models import PROMPTS  # noqa: F401 (tests import it from here)
 
 HOST = "127.0.0.1"
@@ -90,6 +92,12 @@ class Workers:
     metrics_urls: list[str]
     commands: list[list[str]]
     names: list[str]  # each worker's current process in `procs`
+    tls_dir: Path  # their certificates (cluster/certs.py), as a user's --tls-dir
+    security: Security  # the attention node's credentials towards them
+
+    @property
+    def tls_flags(self) -> list[str]:
+        return ["--tls-dir", str(self.tls_dir)]
 
     def process(self, i: int) -> subprocess.Popen:
         return self.procs.procs[self.names[i]]
@@ -106,13 +114,13 @@ class Workers:
             cmd[cmd.index("--model") + 1] = str(model)
         self.names[i] += "+"  # its own log
         proc = self.procs.start(self.names[i], cmd)
-        wait_serving(self.endpoints[i], proc)
+        wait_serving(self.endpoints[i], proc, self.security)
         return proc
 
 
-def wait_serving(endpoint: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+def wait_serving(endpoint: str, proc: subprocess.Popen, security: Security, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(endpoint) as channel:
+    with security.channel(endpoint) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             assert proc.poll() is None, f"worker at {endpoint} exited with {proc.returncode}"
@@ -127,7 +135,10 @@ def wait_serving(endpoint: str, proc: subprocess.Popen, timeout_s: float = 120.0
 def start_workers(procs: Processes, model: Path, num_workers: int, tag: str, extra_args: tuple[str, ...] = (),
                   replicas: int = 1) -> Workers:  # fmt: skip
     """Real expert_server processes on loopback, one per worker index, each with /metrics, every
-    expert on `replicas` of them."""
+    expert on `replicas` of them, with TLS as users run them (certificates of their own, in the log
+    directory)."""
+    tls_dir = make_certs(procs.log_dir / f"{tag}-tls")
+    security = Security.load(tls_dir, "attention")
     ports = free_ports(2 * num_workers)
     ports, metrics_ports = ports[:num_workers], ports[num_workers:]
     endpoints, commands = [], []
@@ -135,13 +146,13 @@ def start_workers(procs: Processes, model: Path, num_workers: int, tag: str, ext
         commands.append(python_module(
             "expert_server", "--model", str(model), "--worker-index", str(i), "--num-workers", str(num_workers),
             "--host", HOST, "--port", str(port), "--metrics-port", str(metrics_ports[i]), "--num-threads", "1",
-            "--expert-replicas", str(replicas), *extra_args))  # fmt: skip
+            "--expert-replicas", str(replicas), "--tls-dir", str(tls_dir), *extra_args))  # fmt: skip
         procs.start(f"{tag}-worker-{i}", commands[-1])
         endpoints.append(f"{HOST}:{port}")
     for i, endpoint in enumerate(endpoints):
-        wait_serving(endpoint, procs.procs[f"{tag}-worker-{i}"])
+        wait_serving(endpoint, procs.procs[f"{tag}-worker-{i}"], security)
     return Workers(endpoints, procs, [f"http://{HOST}:{p}/metrics" for p in metrics_ports], commands,
-                   [f"{tag}-worker-{i}" for i in range(num_workers)])  # fmt: skip
+                   [f"{tag}-worker-{i}" for i in range(num_workers)], tls_dir, security)  # fmt: skip
 
 
 def port_flags(ports: dict[str, int]) -> list[str]:

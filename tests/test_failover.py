@@ -58,7 +58,7 @@ def layer_outputs(transport: ExpertTransport, ckpt, steps: int = 3) -> list[torc
 def connect(workers, ckpt, plane: str = "auto", replicas: int = 2, timeout_s: float = 30,
             loss_timeout_s: float = 30) -> ExpertTransport:  # fmt: skip
     cfg = AttentionConfig(tuple(workers.endpoints), timeout_s, plane, expert_replicas=replicas,
-                          worker_loss_timeout_s=loss_timeout_s)  # fmt: skip
+                          worker_loss_timeout_s=loss_timeout_s, tls_dir=workers.tls_dir)  # fmt: skip
     return factory.connect_workers(cfg, ckpt)
 
 

@@ -15,6 +15,7 @@ from attention_server.partition import DispatchPlan, partition
 from kernels.reference import DenseExpertWeights, moe_experts_reference
 from protos import frames
 from protos.placement import Placement
+from protos.security import Security
 from tests.support import HOST
 
 T, H, I, E, K, W = 37, 32, 16, 16, 4, 8
@@ -120,7 +121,7 @@ def test_answers_arriving_in_reverse_order_are_combined_in_worker_order():
         port = server.add_insecure_port(f"{HOST}:0")
         server.start()
         servers.append(server)
-        channels.append(GrpcStreamChannel(w, f"{HOST}:{port}", timeout_s=30))
+        channels.append(GrpcStreamChannel(w, f"{HOST}:{port}", timeout_s=30, security=Security.load(None, "attention")))
     transport = ExpertTransport(channels, Placement(3, 3))
     try:
         ids = torch.tensor([[0, 1, 2]], dtype=torch.int32)  # one token, one expert on each of workers 0, 1, 2
