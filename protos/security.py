@@ -41,7 +41,6 @@ FILES = (CA_CERT, WORKER_CERT, WORKER_KEY, ATTENTION_CERT, ATTENTION_KEY, TOKEN)
 ROLES = {"worker": (WORKER_CERT, WORKER_KEY), "attention": (ATTENTION_CERT, ATTENTION_KEY)}
 
 
-
 def worker_files() -> tuple[str, ...]:
     return (CA_CERT, *ROLES["worker"], TOKEN)
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import subprocess
 
-import grpc
 import pytest
 import torch
 
