@@ -11,9 +11,12 @@ Layout (made by kernels.backends.triton_moe from the canonical one), per project
   s: [E, Kp/G, Np] float32 signed scales (zero in the padding), N contiguous; the scale multiplies
      each group's fp32 partial dot, not the weights.
 Routing: route_kernel (one program) groups the pairs by expert: bounds [E+1], and per sorted
-position the row and router weight, so gate_up reads x rows with one indirection and down reads
-act rows contiguously. One program owns (expert e, BN output columns) and walks that expert's
-pairs in BLOCK_M chunks. gate_up also zeroes a slice of `out`, which down accumulates into.
+position the row, pair index and router weight, so gate_up reads x rows with one indirection and
+down reads act rows contiguously; it also sorts the pairs by row for the combine. One program
+owns (expert e, BN output columns) and walks that expert's pairs in BLOCK_M chunks. down writes
+each pair's router-weighted row to its own row of a [P, H] fp32 buffer; combine_kernel sums a
+row's pairs in pair order. No float atomics: the output is bitwise the same run to run. gate_up
+also zeroes a slice of `out` (rows without pairs stay zero).
 """
 from __future__ import annotations
 
@@ -127,32 +130,39 @@ def _activate(x, ACTIVATION: tl.constexpr):
 @triton.jit
 def route_kernel(
     experts_ptr, rows_ptr, weights_ptr, P,  # [P] local expert, row, router weight of each pair
-    bounds_ptr, srows_ptr, sweights_ptr,  # out: [E+1] int32; [P] int32 rows, [P] fp32 weights by expert
+    bounds_ptr, srows_ptr, sweights_ptr, spairs_ptr,  # out: [E+1] int32; [P] row, fp32 weight, pair by expert
+    crows_ptr, cpairs_ptr,  # out: [P] int32 row and pair, sorted by (row, pair): the combine's order
     E, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """One program: pairs grouped by expert (counting sort; order within an expert is arbitrary).
+    """One program: pairs grouped by expert, and by row, both stable (ties in pair order).
 
-    bounds is first the per-expert counter: atomics hand out each pair's rank within its expert,
-    an exclusive cumsum of the counts gives the starts, position = start + rank.
+    Both orders are sorts of key * BLOCK_P + pair index, so they depend only on the inputs. bounds
+    is first the per-expert counter (integer atomics: the counts are exact in any order), an
+    exclusive cumsum of the counts gives the starts. Callers keep rows * BLOCK_P below 2^31.
     """
     offs = tl.arange(0, BLOCK_P)
     valid = offs < P
     ex = tl.load(experts_ptr + offs, mask=valid, other=0).to(tl.int32)
     rows = tl.load(rows_ptr + offs, mask=valid, other=0).to(tl.int32)
-    router = tl.load(weights_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     offs_e = tl.arange(0, BLOCK_E)
     tl.store(bounds_ptr + offs_e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=offs_e <= E)
     tl.debug_barrier()
-    rank = tl.atomic_add(bounds_ptr + ex, 1, mask=valid, sem="relaxed")  # the barrier orders them
+    tl.atomic_add(bounds_ptr + ex, 1, mask=valid, sem="relaxed")  # the barrier orders them
     tl.debug_barrier()
     counts = tl.load(bounds_ptr + offs_e, mask=offs_e < E, other=0, volatile=True)
     starts = tl.cumsum(counts, 0) - counts  # starts[E] = P
     tl.debug_barrier()
     tl.store(bounds_ptr + offs_e, starts, mask=offs_e <= E)
-    tl.debug_barrier()
-    pos = tl.load(bounds_ptr + ex, mask=valid, other=0, volatile=True) + rank
-    tl.store(srows_ptr + pos, rows, mask=valid)
-    tl.store(sweights_ptr + pos, router, mask=valid)
+
+    last = 2147483647  # padding lanes sort after every pair
+    by_expert = tl.sort(tl.where(valid, ex * BLOCK_P + offs, last))  # [BLOCK_P]
+    pair = by_expert % BLOCK_P
+    tl.store(spairs_ptr + offs, pair, mask=valid)
+    tl.store(srows_ptr + offs, tl.load(rows_ptr + pair, mask=valid, other=0).to(tl.int32), mask=valid)
+    tl.store(sweights_ptr + offs, tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32), mask=valid)
+    by_row = tl.sort(tl.where(valid, rows * BLOCK_P + offs, last))  # [BLOCK_P]
+    tl.store(crows_ptr + offs, by_row // BLOCK_P, mask=valid)
+    tl.store(cpairs_ptr + offs, by_row % BLOCK_P, mask=valid)
 
 
 @triton.jit
@@ -213,10 +223,10 @@ def gate_up_kernel(
 @triton.jit
 def down_kernel(
     act_ptr, stride_at,  # [P, I] fp16/bf16, sorted positions
-    srows_ptr, sweights_ptr, bounds_ptr,  # [P] int32 rows, [P] fp32 router weights (sorted), [E+1]
+    spairs_ptr, sweights_ptr, bounds_ptr,  # [P] int32 pair index, [P] fp32 router weights (sorted), [E+1]
     w_ptr, stride_we, stride_wt,  # [E, Hp/BN, Ip/BK, BN, BK/4] int16
     s_ptr, stride_se, stride_sg,  # [E, Ip/G, Hp] fp32
-    out_ptr, stride_ot,  # [T, H] fp32, accumulated with atomics (a row's pairs live in other programs)
+    part_ptr, stride_pp,  # [P, H] fp32 out: each pair's router-weighted row, at its pair index
     H, I,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -244,8 +254,39 @@ def down_kernel(
             x3 = _load_x(a_base + b * BLOCK_K + 3 * (BLOCK_K // 4), m_mask, k0 + 3 * (BLOCK_K // 4), I, EVEN_K)
             w0, w1, w2, w3 = _split_quarters(w, IS_BF16, USE_PTX)
             acc = _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_base, b, stride_sg, BLOCK_K, GROUP)
-        rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
+        pairs = tl.load(spairs_ptr + offs_m, mask=m_mask, other=0)
         router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)  # [BM]
-        acc = acc * router[:, None]
-        out = out_ptr + rows[:, None] * stride_ot + offs_n[None, :]
-        tl.atomic_add(out, acc, mask=m_mask[:, None] & (offs_n[None, :] < H), sem="relaxed")
+        out = part_ptr + pairs[:, None] * stride_pp + offs_n[None, :]
+        tl.store(out, acc * router[:, None], mask=m_mask[:, None] & (offs_n[None, :] < H))
+
+
+@triton.jit
+def combine_kernel(
+    part_ptr, stride_pp,  # [P, H] fp32 router-weighted pair rows (down_kernel)
+    crows_ptr, cpairs_ptr, P,  # [P] int32 row and pair index, sorted by (row, pair)
+    out_ptr, stride_ot,  # [T, H] fp32; rows without pairs keep the zeros gate_up wrote
+    H, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out[row] = its pairs' rows summed in pair order, BLOCK_R at a time: a fixed order, no atomics.
+
+    Program (j, nb) works only if sorted position j starts its row's run; the run is contiguous.
+    """
+    j = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_mask = offs_n < H
+    row = tl.load(crows_ptr + j)
+    prev = tl.where(j > 0, tl.load(crows_ptr + tl.maximum(j - 1, 0)), -1)  # rows are >= 0
+    first = prev != row  # only the program at the start of a row's run writes the row
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    k = j
+    more = first
+    while more:
+        offs_k = k + tl.arange(0, BLOCK_R)  # [BR]
+        mine = tl.load(crows_ptr + offs_k, mask=offs_k < P, other=-1) == row
+        pairs = tl.load(cpairs_ptr + offs_k, mask=mine, other=0)
+        part = tl.load(part_ptr + pairs[:, None] * stride_pp + offs_n[None, :], mask=mine[:, None] & n_mask[None, :],
+                       other=0.0)  # [BR, BN]
+        acc += tl.sum(part, axis=0)
+        k += BLOCK_R
+        more = tl.sum(mine.to(tl.int32), axis=0) == BLOCK_R  # a full window: the run may go on
+    tl.store(out_ptr + row * stride_ot + offs_n, acc, mask=tl.where(first, n_mask, False))

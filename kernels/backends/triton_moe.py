@@ -1,9 +1,11 @@
-"""Triton backend: grouped W4A16 MoE on CUDA and ROCm (gfx11) GPUs, three launches per layer.
+"""Triton backend: grouped W4A16 MoE on CUDA and ROCm (gfx11) GPUs, four launches per layer.
 
-    route_kernel:   pairs grouped by expert -> bounds, rows, router weights  (one program; torch.sort
-                    above ROUTE_MAX_PAIRS)
-    gate_up_kernel: x[rows] @ w13[e]^T -> act(gate) * up        [P, I]  (fp16/bf16); zeroes out
-    down_kernel:    act @ w2[e]^T * router weight -> atomic add  [T, H]  (fp32)
+    route_kernel:   pairs grouped by expert and by row -> Routes  (one program; torch.sort above
+                    ROUTE_MAX_PAIRS)
+    gate_up_kernel: x[rows] @ w13[e]^T -> act(gate) * up          [P, I]  (fp16/bf16); zeroes out
+    down_kernel:    act @ w2[e]^T * router weight -> pair rows     [P, H]  (fp32)
+    combine_kernel: each row's pair rows summed in pair order       [T, H]  (fp32)
+No float atomics anywhere: the output is bitwise identical run to run.
 Kernels and weight layout: kernels/triton_w4a16.py.
 """
 from __future__ import annotations
@@ -72,6 +74,24 @@ class TritonBackend(ExpertBackend):
 
 ROUTE_MAX_PAIRS = 8192  # more pairs: torch sort instead of the one-program route kernel
 BLOCK_KS = (64, 128)
+COMBINE_BLOCK_R, COMBINE_BLOCK_N = 16, 256  # pairs a combine program adds per step, columns it owns
+
+
+@dataclass(frozen=True, slots=True)
+class Routes:
+    """The pairs in two stable orders (ties keep pair order), both on the device.
+
+    By expert (position s): expert e owns s in [bounds[e], bounds[e+1]); rows, router and pairs
+    give each position's row, fp32 router weight and pair index. By row (position j): crows and
+    cpairs, sorted by (row, pair index), the order combine_kernel adds a row's pairs in.
+    """
+
+    bounds: torch.Tensor  # [E+1] int32
+    rows: torch.Tensor  # [P] int32
+    router: torch.Tensor  # [P] fp32
+    pairs: torch.Tensor  # [P] int32
+    crows: torch.Tensor  # [P] int32
+    cpairs: torch.Tensor  # [P] int32
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,23 +150,31 @@ class TritonExperts(PreparedExperts):
         self.w2 = TritonProjection.from_int4(weights.w2, device, layout.block_k, layout.block_n_down)
         self.config = config
 
-    def route(self, pair_rows, pair_experts, pair_weights):
-        """-> bounds [E+1] int32, rows [P] int32 and router weights [P] fp32 grouped by expert."""
+    def route(self, pair_rows, pair_experts, pair_weights, num_rows: int) -> Routes:
+        """Pairs grouped by expert and by row (rows in [0, num_rows))."""
         e, p, dev = self.num_experts, pair_rows.numel(), pair_rows.device
-        if p > ROUTE_MAX_PAIRS:
-            sorted_experts, order = torch.sort(pair_experts, stable=True)
-            experts = torch.arange(e + 1, device=dev, dtype=sorted_experts.dtype)
-            bounds = torch.searchsorted(sorted_experts, experts).to(torch.int32)
-            return bounds, pair_rows[order].to(torch.int32), pair_weights[order].to(torch.float32)
-        bounds = torch.empty(e + 1, dtype=torch.int32, device=dev)
-        rows = torch.empty(p, dtype=torch.int32, device=dev)
-        router = torch.empty(p, dtype=torch.float32, device=dev)
         block_p = max(16, _next_pow2(p))
+        if p > ROUTE_MAX_PAIRS or num_rows * block_p >= 2**31:  # the route kernel's keys are int32
+            by_expert = torch.sort(pair_experts, stable=True)
+            experts = torch.arange(e + 1, device=dev, dtype=by_expert.values.dtype)
+            bounds = torch.searchsorted(by_expert.values, experts).to(torch.int32)
+            by_row = torch.sort(pair_rows, stable=True)
+            order = by_expert.indices
+            return Routes(
+                bounds, pair_rows[order].to(torch.int32), pair_weights[order].to(torch.float32),
+                order.to(torch.int32), by_row.values.to(torch.int32), by_row.indices.to(torch.int32),
+            )
+        out = Routes(
+            torch.empty(e + 1, dtype=torch.int32, device=dev),
+            *(torch.empty(p, dtype=dtype, device=dev) for dtype in (torch.int32, torch.float32, torch.int32,
+                                                                    torch.int32, torch.int32)),
+        )
         self.kernels.route_kernel[(1,)](
-            pair_experts, pair_rows, pair_weights, p, bounds, rows, router, e,
+            pair_experts, pair_rows, pair_weights, p, out.bounds, out.rows, out.router, out.pairs,
+            out.crows, out.cpairs, e,
             BLOCK_P=block_p, BLOCK_E=_next_pow2(e + 1), num_warps=min(16, max(4, block_p // 256)),
         )
-        return bounds, rows, router
+        return out
 
     def __call__(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
         x = hidden if hidden.dtype in (torch.float16, torch.bfloat16) else hidden.to(torch.bfloat16)
@@ -155,9 +183,9 @@ class TritonExperts(PreparedExperts):
         if num_pairs == 0:
             return torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
         cfg = self.config or TritonConfig.for_load(num_pairs, self.num_experts)  # same tiles as the default
-        bounds, rows, router = self.route(pair_rows, pair_experts, pair_weights)
-        act, out = self.gate_up(x, bounds, rows, cfg)
-        self.down(act, out, bounds, rows, router, cfg)
+        routes = self.route(pair_rows, pair_experts, pair_weights, x.shape[0])
+        act, out = self.gate_up(x, routes.bounds, routes.rows, cfg)
+        self.combine(self.down(act, routes, cfg), routes, out)
         return out
 
     def gate_up(self, x, bounds, rows, cfg: TritonConfig):
@@ -183,21 +211,31 @@ class TritonExperts(PreparedExperts):
         )
         return act, out
 
-    def down(self, act, out, bounds, rows, router, cfg: TritonConfig) -> None:
-        """out[rows] += router * (act @ w2^T), with atomics."""
+    def down(self, act, routes: Routes, cfg: TritonConfig) -> torch.Tensor:
+        """-> [P, H] fp32: row p is pair p's router * (act @ w2^T)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         w2 = self.w2
+        part = torch.empty(act.shape[0], h, dtype=torch.float32, device=act.device)  # [P, H]
         self.kernels.down_kernel[(e, w2.padded_rows // w2.block_n)](
             act, act.stride(0),
-            rows, router, bounds,
+            routes.pairs, routes.router, routes.bounds,
             w2.w, w2.w.stride(0), w2.w.stride(1),
             w2.s, w2.s.stride(0), w2.s.stride(1),
-            out, out.stride(0),
+            part, part.stride(0),
             h, i,
             GROUP=w2.group_size, BLOCK_K=w2.block_k, BLOCK_M=cfg.block_m, BLOCK_N=w2.block_n,
             IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), EVEN_K=i % w2.block_k == 0,
             NUM_STAGES=cfg.num_stages_down or cfg.num_stages,
             num_warps=cfg.num_warps_down or cfg.num_warps,
+        )
+        return part
+
+    def combine(self, part, routes: Routes, out) -> None:
+        """out[row] = sum of its pairs' rows of `part`, in pair order (rows without pairs untouched)."""
+        h = self.hidden_size
+        self.kernels.combine_kernel[(part.shape[0], _cdiv(h, COMBINE_BLOCK_N))](
+            part, part.stride(0), routes.crows, routes.cpairs, part.shape[0], out, out.stride(0), h,
+            BLOCK_R=COMBINE_BLOCK_R, BLOCK_N=COMBINE_BLOCK_N, num_warps=4,
         )
 
 

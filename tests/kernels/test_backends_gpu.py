@@ -117,21 +117,25 @@ def test_triton_model_shape(cuda, rel_error, tokens):
 @pytest.mark.parametrize("experts,pairs", [(128, 1), (128, 1024), (6, 37), (3, 5000), (128, 9000)])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 def test_triton_route(cuda, experts, pairs, index_dtype):
-    """Pairs grouped by expert (route kernel; torch.sort above ROUTE_MAX_PAIRS): bounds and contents."""
+    """Pairs grouped by expert and by row, both stable (route kernel; torch.sort above
+    ROUTE_MAX_PAIRS): exactly torch's stable sorts, so the positions depend only on the inputs."""
     gen = torch.Generator().manual_seed(pairs)
     pair_experts = torch.randint(0, experts, (pairs,), generator=gen)
     if experts == 6:
         pair_experts = pair_experts % 2 * 3  # empty experts between full ones
-    pair_rows = torch.randint(0, 1 << 20, (pairs,), generator=gen)
+    num_rows = 1 << 14  # rows * the route kernel's block stays below 2^31
+    pair_rows = torch.randint(0, num_rows, (pairs,), generator=gen)
     pair_weights = torch.rand(pairs, generator=gen)
     prepared = TritonExperts(make_problem(experts, 64, 32, 32, 1).weights, "silu", cuda)  # smallest layer
-    bounds, rows, router = prepared.route(
-        pair_rows.to(cuda, index_dtype), pair_experts.to(cuda, index_dtype), pair_weights.to(cuda)
+    routes = prepared.route(
+        pair_rows.to(cuda, index_dtype), pair_experts.to(cuda, index_dtype), pair_weights.to(cuda), num_rows
     )
-    bounds, rows, router = bounds.cpu(), rows.cpu(), router.cpu()
     expected = torch.cat([torch.zeros(1, dtype=torch.long), torch.bincount(pair_experts, minlength=experts).cumsum(0)])
-    assert torch.equal(bounds.long(), expected)
-    for e in range(experts):
-        got = sorted(zip(rows[bounds[e] : bounds[e + 1]].tolist(), router[bounds[e] : bounds[e + 1]].tolist()))
-        want = sorted(zip(pair_rows[pair_experts == e].tolist(), pair_weights[pair_experts == e].tolist()))
-        assert got == want, f"expert {e}"
+    assert torch.equal(routes.bounds.cpu().long(), expected)
+    by_expert = torch.sort(pair_experts, stable=True).indices
+    assert torch.equal(routes.pairs.cpu().long(), by_expert)
+    assert torch.equal(routes.rows.cpu().long(), pair_rows[by_expert])
+    assert torch.equal(routes.router.cpu(), pair_weights[by_expert])
+    by_row = torch.sort(pair_rows, stable=True)
+    assert torch.equal(routes.crows.cpu().long(), by_row.values)
+    assert torch.equal(routes.cpairs.cpu().long(), by_row.indices)
