@@ -103,8 +103,10 @@ def check_arch(kernel: KernelBuild, device: torch.device) -> None:
 
 
 def load(kernel: KernelBuild) -> ctypes.CDLL:
-    """The library with `hm_fdot2_moe` typed (see the signature in the source)."""
+    """The library with `hm_fdot2_moe` and `hm_fdot2_workspace_floats` typed (see the signature in the source)."""
     lib = ctypes.CDLL(str(kernel.library))
     lib.hm_fdot2_moe.restype = ctypes.c_int
-    lib.hm_fdot2_moe.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+    lib.hm_fdot2_moe.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int] * 8 + [ctypes.c_void_p]
+    lib.hm_fdot2_workspace_floats.restype = ctypes.c_size_t
+    lib.hm_fdot2_workspace_floats.argtypes = [ctypes.c_int] * 4
     return lib

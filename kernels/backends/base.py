@@ -101,3 +101,23 @@ class PairsByExpert:
         experts = torch.arange(num_experts + 1, device=pair_experts.device, dtype=sorted_experts.dtype)
         bounds = torch.searchsorted(sorted_experts, experts)  # [E+1]
         return cls(order.to(torch.int32), bounds.to(torch.int32))
+
+
+@dataclass(frozen=True, slots=True)
+class PairsByRow:
+    """Pairs grouped by row: row t owns pairs order[bounds[t]:bounds[t+1]], ascending.
+
+    order:  [P] int32 pair indices
+    bounds: [T+1] int32
+    """
+
+    order: torch.Tensor
+    bounds: torch.Tensor
+
+    @classmethod
+    def group(cls, pair_rows: torch.Tensor, num_rows: int) -> PairsByRow:
+        """Device-side only: no host synchronisation."""
+        sorted_rows, order = torch.sort(pair_rows, stable=True)  # [P], [P]
+        rows = torch.arange(num_rows + 1, device=pair_rows.device, dtype=sorted_rows.dtype)
+        bounds = torch.searchsorted(sorted_rows, rows)  # [T+1]
+        return cls(order.to(torch.int32), bounds.to(torch.int32))

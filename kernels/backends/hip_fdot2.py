@@ -2,7 +2,8 @@
 
 On RDNA2 (gfx103x) it is the fast path: fdot2, wave32, no WMMA needed. On NVIDIA the same source
 builds with nvcc (fdot2 becomes two fp32 FMAs) so its logic is tested on real hardware; there the
-oracle prefers Triton. Activations run in fp16 (fdot2 takes fp16 pairs).
+oracle prefers Triton. Activations run in fp16 (fdot2 takes fp16 pairs). Every sum has a fixed
+order (no float atomics): the output is bitwise identical run to run.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pathlib import Path
 import torch
 
 from kernels import native_build
-from kernels.backends.base import ExpertBackend, PairsByExpert, PreparedExperts, Support, symmetric_int4_support
+from kernels.backends.base import (
+    ExpertBackend, PairsByExpert, PairsByRow, PreparedExperts, Support, symmetric_int4_support,
+)
 from kernels.quant import QuantScheme, W4A16ExpertWeights
 
 ACTIVATION_CODES = {"silu": 0, "gelu": 1}
@@ -70,18 +73,22 @@ class _Fdot2Experts(PreparedExperts):
 
     def __call__(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        num_pairs = pair_rows.numel()
+        num_pairs, num_rows = pair_rows.numel(), hidden.shape[0]
         x = hidden.to(torch.float16).contiguous()  # [T, H]
         rows = pair_rows.to(torch.int32).contiguous()
         router = pair_weights.to(torch.float32).contiguous()
         groups = PairsByExpert.group(pair_experts, e)
-        gate_up = torch.empty(num_pairs, 2 * i, dtype=torch.float32, device=x.device)  # [P, 2I] scratch
-        out = torch.zeros(x.shape[0], h, dtype=torch.float32, device=x.device)  # [T, H]
+        by_row = PairsByRow.group(pair_rows, num_rows)
+        step = tokens_per_step(num_pairs, e)
+        workspace = torch.empty(self.lib.hm_fdot2_workspace_floats(num_pairs, h, i, step), dtype=torch.float32,
+                                device=x.device)  # fmt: skip
+        out = torch.empty(num_rows, h, dtype=torch.float32, device=x.device)  # [T, H], every element written
         status = self.lib.hm_fdot2_moe(
             x.data_ptr(), rows.data_ptr(), router.data_ptr(), groups.order.data_ptr(), groups.bounds.data_ptr(),
+            by_row.order.data_ptr(), by_row.bounds.data_ptr(),
             self.w13.data_ptr(), self.s13.data_ptr(), self.w2.data_ptr(), self.s2.data_ptr(),
-            gate_up.data_ptr(), out.data_ptr(),
-            e, num_pairs, h, i, self.group_size, tokens_per_step(num_pairs, e), self.activation,
+            workspace.data_ptr(), out.data_ptr(),
+            e, num_pairs, num_rows, h, i, self.group_size, step, self.activation,
             torch.cuda.current_stream(x.device).cuda_stream,
         )
         if status != 0:
