@@ -49,9 +49,12 @@ class HipFdot2Backend(ExpertBackend):
     def supports_quant_scheme(self, scheme: QuantScheme) -> Support:
         return symmetric_int4_support(scheme, GROUP_SIZES)
 
+    def build(self, platform: str, archs: tuple[str, ...]) -> native_build.KernelBuild:
+        """The library prepare loads; kernels.hip_isa inspects the ISA of this same call's output."""
+        return native_build.build(platform, archs, self.cache_dir)
+
     def prepare(self, weights: W4A16ExpertWeights, activation: str, device: torch.device) -> PreparedExperts:
-        archs = self.archs or (native_build.device_arch(device),)
-        kernel = native_build.build(native_build.device_platform(), archs, self.cache_dir)
+        kernel = self.build(native_build.device_platform(), self.archs or (native_build.device_arch(device),))
         native_build.check_arch(kernel, device)
         return _Fdot2Experts(weights, activation, device, native_build.load(kernel))
 
