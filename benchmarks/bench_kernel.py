@@ -294,17 +294,19 @@ def triton_sweep(weights, problems, device, iters, copy_bw) -> list[Row]:
 
 
 def triton_breakdown(experts, problems, device, iters) -> None:
-    """Graph-replay time of each launch alone (route, gate_up, down) next to the whole call."""
+    """Graph-replay time of each launch alone (route, gate_up, down, combine) next to the whole call."""
     from kernels.backends.triton_moe import TritonConfig
 
     for p in problems:
         cfg = experts.config or TritonConfig.for_load(p.pair_rows.numel(), experts.num_experts)
-        bounds, rows, router = experts.route(p.pair_rows, p.pair_experts, p.pair_weights)
-        act, out = experts.gate_up(p.hidden, bounds, rows, cfg)
+        routes = experts.route(p.pair_rows, p.pair_experts, p.pair_weights, p.hidden.shape[0])
+        act, out = experts.gate_up(p.hidden, routes.bounds, routes.rows, cfg)
+        part = experts.down(act, routes, cfg)
         parts = {
-            "route": lambda p=p: experts.route(p.pair_rows, p.pair_experts, p.pair_weights),
-            "gate_up": lambda: experts.gate_up(p.hidden, bounds, rows, cfg),
-            "down": lambda: experts.down(act, out, bounds, rows, router, cfg),
+            "route": lambda p=p: experts.route(p.pair_rows, p.pair_experts, p.pair_weights, p.hidden.shape[0]),
+            "gate_up": lambda: experts.gate_up(p.hidden, routes.bounds, routes.rows, cfg),
+            "down": lambda: experts.down(act, routes, cfg),
+            "combine": lambda: experts.combine(part, routes, out),
             "all": lambda p=p: experts(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights),
         }
         times = {name: time_graph(fn, device, iters) for name, fn in parts.items()}

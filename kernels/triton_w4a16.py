@@ -243,21 +243,33 @@ def down_kernel(
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < end
-        a_base = act_ptr + offs_m[:, None] * stride_at + offs_c[None, :]  # [BM, Q]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for b in tl.range(0, tl.cdiv(I, BLOCK_K), num_stages=NUM_STAGES):
-            w = tl.load(w_base + b * (BLOCK_N * BLOCK_K // 4))
-            k0 = b * BLOCK_K + offs_c
-            x0 = _load_x(a_base + b * BLOCK_K, m_mask, k0, I, EVEN_K)
-            x1 = _load_x(a_base + b * BLOCK_K + BLOCK_K // 4, m_mask, k0 + BLOCK_K // 4, I, EVEN_K)
-            x2 = _load_x(a_base + b * BLOCK_K + 2 * (BLOCK_K // 4), m_mask, k0 + 2 * (BLOCK_K // 4), I, EVEN_K)
-            x3 = _load_x(a_base + b * BLOCK_K + 3 * (BLOCK_K // 4), m_mask, k0 + 3 * (BLOCK_K // 4), I, EVEN_K)
-            w0, w1, w2, w3 = _split_quarters(w, IS_BF16, USE_PTX)
-            acc = _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_base, b, stride_sg, BLOCK_K, GROUP)
+        acc = down_rows(act_ptr, stride_at, offs_m, m_mask, offs_c, w_base, s_base, stride_sg, I,
+                        GROUP, BLOCK_K, BLOCK_M, BLOCK_N, IS_BF16, USE_PTX, EVEN_K, NUM_STAGES)
         pairs = tl.load(spairs_ptr + offs_m, mask=m_mask, other=0)
         router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)  # [BM]
         out = part_ptr + pairs[:, None] * stride_pp + offs_n[None, :]
         tl.store(out, acc * router[:, None], mask=m_mask[:, None] & (offs_n[None, :] < H))
+
+
+@triton.jit
+def down_rows(
+    act_ptr, stride_at, offs_m, m_mask, offs_c, w_base, s_base, stride_sg, I,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """[BM, BN] fp32: act rows offs_m (sorted positions) @ one expert's BN-row weight tile."""
+    a_base = act_ptr + offs_m[:, None] * stride_at + offs_c[None, :]  # [BM, Q]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for b in tl.range(0, tl.cdiv(I, BLOCK_K), num_stages=NUM_STAGES):
+        w = tl.load(w_base + b * (BLOCK_N * BLOCK_K // 4))
+        k0 = b * BLOCK_K + offs_c
+        x0 = _load_x(a_base + b * BLOCK_K, m_mask, k0, I, EVEN_K)
+        x1 = _load_x(a_base + b * BLOCK_K + BLOCK_K // 4, m_mask, k0 + BLOCK_K // 4, I, EVEN_K)
+        x2 = _load_x(a_base + b * BLOCK_K + 2 * (BLOCK_K // 4), m_mask, k0 + 2 * (BLOCK_K // 4), I, EVEN_K)
+        x3 = _load_x(a_base + b * BLOCK_K + 3 * (BLOCK_K // 4), m_mask, k0 + 3 * (BLOCK_K // 4), I, EVEN_K)
+        w0, w1, w2, w3 = _split_quarters(w, IS_BF16, USE_PTX)
+        acc = _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_base, b, stride_sg, BLOCK_K, GROUP)
+    return acc
 
 
 @triton.jit
