@@ -15,7 +15,7 @@ from kernels import native_build
 from kernels.backends.base import ExpertBackend, PairsByExpert, PreparedExperts, Support, symmetric_int4_support
 from kernels.quant import QuantScheme, W4A16ExpertWeights
 
-ACTIVATION_CODES = {"silu": 0, "gelu": 1}
+from kernels.activations import ACTIVATION_CODES
 MIN_CUDA_CAPABILITY = (7, 0)
 GROUP_SIZES = (32, 64, 128, 256)
 
