@@ -14,7 +14,7 @@ import torch
 
 from kernels.backends.base import PreparedExperts
 from kernels.backends.reference import DenseReference
-from kernels.formats import ExpertKeys, SafetensorsDir, load_expert_weights, parse_quant_config
+from kernels.formats import ExpertKeys, SafetensorsFiles, load_expert_weights, parse_quant_config
 from kernels.formats.config import DENSE
 from kernels.oracle import BackendUnavailable, choose_backend
 from kernels.reference import DenseExpertWeights
@@ -53,8 +53,8 @@ def load_shard(
 ) -> LoadedShard:
     """Experts [start, end) of every MoE layer, keyed by decoder layer index; only their tensors are read."""
     assert weight_format in WEIGHT_FORMATS, weight_format
-    source = SafetensorsDir(ckpt.path)
-    quant = parse_quant_config(source.quantization_config(), quantize_group=group_size)
+    source = SafetensorsFiles(ckpt.tensor_files())
+    quant = parse_quant_config(ckpt.quantization_config, quantize_group=group_size)
     if quant.method == DENSE and weight_format == "checkpoint":
         if kernel_backend not in (None, "reference"):
             raise BackendUnavailable(
@@ -81,7 +81,7 @@ def load_shard(
 
 
 def _load_dense(
-    ckpt: MoeCheckpoint, source: SafetensorsDir, start: int, end: int, device: torch.device
+    ckpt: MoeCheckpoint, source: SafetensorsFiles, start: int, end: int, device: torch.device
 ) -> dict[int, DenseExpertWeights]:
     """w13 is [E_w, 2I, H] (gate rows then up rows), w2 is [E_w, H, I]."""
     naming = ckpt.naming

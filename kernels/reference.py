@@ -9,11 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from kernels.activations import ACTIVATIONS
 from kernels.quant import W4A16ExpertWeights
-
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 
 
 @dataclass(frozen=True, slots=True)

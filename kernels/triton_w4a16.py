@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-ACTIVATION_CODES = {"silu": 0, "gelu": 1}
+from kernels.activations import ACTIVATION_CODES
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import torch
 
 from tests.support import python_module, start_workers
 from expert_server.weights import load_shard
-from kernels.formats import SafetensorsDir
+from kernels.formats import SafetensorsFiles
 from kernels.reference import DenseExpertWeights, moe_experts_reference
 from protos import codec
 from protos import expert_pb2 as pb
@@ -44,7 +44,7 @@ def test_w4a16_partials_match_experts_quantized_by_compressed_tensors(quantized)
     """Each worker quantized its shard on load; the reference is the same shard quantized by the
     compressed-tensors library, dequantized, through the float32 reference experts."""
     ckpt, stubs = quantized
-    source = SafetensorsDir(ckpt.path)
+    source = SafetensorsFiles(ckpt.tensor_files())
     placement = Placement(ckpt.num_experts, NUM_WORKERS)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, ckpt.hidden_size, generator=g).to(torch.bfloat16)

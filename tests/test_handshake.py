@@ -57,9 +57,10 @@ def test_refuses_workers_of_another_architecture(model_dir, qwen3_workers):
     )
 
 
-def test_refuses_another_hidden_size(model_dir, qwen3_workers, tmp_path):
-    wider = edited_copy(model_dir("qwen3_moe"), tmp_path / "wider", hidden_size=256)
-    assert_refused(attention_server(wider, qwen3_workers.endpoints, qwen3_workers.tls_dir), "hidden size: worker has 128, expected 256")
+def test_refuses_another_activation(model_dir, qwen3_workers, tmp_path):
+    # (a config's hidden_size must match its tensors: protos/checkpoint.py refuses it before any handshake)
+    gelu = edited_copy(model_dir("qwen3_moe"), tmp_path / "gelu", hidden_act="gelu")
+    assert_refused(attention_server(gelu, qwen3_workers.endpoints, qwen3_workers.tls_dir), "activation: worker has silu, expected gelu")
 
 
 def test_refuses_another_activation_dtype(model_dir, qwen3_workers, tmp_path):

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import torch
+
+from protos.checkpoint import read_header
 
 from .spec import ModelSpec
 
@@ -137,11 +137,7 @@ def iter_tensors(specs: Sequence[TensorSpec], seed: int) -> Iterator[tuple[str, 
 
 def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """{tensor name: shape} from a safetensors file's header, without reading the data."""
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    header.pop("__metadata__", None)
-    return {name: tuple(info["shape"]) for name, info in header.items()}
+    return {name: entry.shape for name, entry in read_header(path).tensors.items()}
 
 
 @dataclass(frozen=True, slots=True)

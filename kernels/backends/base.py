@@ -17,7 +17,7 @@ import torch
 
 from kernels.quant import QuantScheme, W4A16ExpertWeights
 
-ACTIVATIONS = ("silu", "gelu")
+from kernels.activations import ACTIVATION_NAMES as ACTIVATIONS
 
 
 @dataclass(frozen=True, slots=True)

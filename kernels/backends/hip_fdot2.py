@@ -18,7 +18,7 @@ from kernels.backends.base import (
 )
 from kernels.quant import QuantScheme, W4A16ExpertWeights
 
-ACTIVATION_CODES = {"silu": 0, "gelu": 1}
+from kernels.activations import ACTIVATION_CODES
 MIN_CUDA_CAPABILITY = (7, 0)
 GROUP_SIZES = (32, 64, 128, 256)
 

@@ -22,14 +22,14 @@ from kernels.formats.config import (
 from kernels.formats.dense import load_dense
 from kernels.formats.gptq import load_gptq
 from kernels.formats.pack_quantized import load_pack_quantized
-from kernels.formats.source import SafetensorsDir, TensorSource
+from kernels.formats.source import SafetensorsFiles, TensorSource
 from kernels.quant import SYMMETRIC_ZERO, Int4Weights, UnsupportedQuantization, W4A16ExpertWeights
 
 __all__ = [
     "CheckpointQuant",
     "ExpertKeys",
     "FormatMismatch",
-    "SafetensorsDir",
+    "SafetensorsFiles",
     "TensorSource",
     "UnsupportedQuantization",
     "load_expert_weights",

@@ -1,7 +1,7 @@
 """Where the loaders read tensors from: anything with `in` and `[]` by name."""
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -19,18 +19,12 @@ class TensorSource(Protocol):
     def __getitem__(self, name: str) -> torch.Tensor: ...
 
 
-class SafetensorsDir:
-    """All `*.safetensors` files of a checkpoint directory, read lazily by tensor name."""
+class SafetensorsFiles:
+    """Tensors of safetensors files, read lazily by name. The index comes from the checkpoint's
+    reader (protos/checkpoint.py: `MoeCheckpoint.tensor_files()`), which owns the headers."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._file_of: dict[str, Path] = {}
-        for file in sorted(self.path.glob("*.safetensors")):
-            with safe_open(file, framework="pt") as handle:
-                for name in handle.keys():
-                    self._file_of[name] = file
-        if not self._file_of:
-            raise FileNotFoundError(f"no *.safetensors files in {self.path}")
+    def __init__(self, file_of: Mapping[str, Path]) -> None:
+        self._file_of = dict(file_of)
 
     def __contains__(self, name: object) -> bool:
         return name in self._file_of
@@ -38,13 +32,6 @@ class SafetensorsDir:
     def __getitem__(self, name: str) -> torch.Tensor:
         with safe_open(self._file_of[name], framework="pt") as handle:
             return handle.get_tensor(name)
-
-    def quantization_config(self) -> dict | None:
-        """`quantization_config` of the directory's config.json, None when absent."""
-        config = self.path / "config.json"
-        if not config.exists():
-            return None
-        return json.loads(config.read_text()).get("quantization_config")
 
 
 _MARKERS = (

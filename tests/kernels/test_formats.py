@@ -18,13 +18,14 @@ from kernels.backends.cpu import CpuBackend
 from kernels.formats import (
     ExpertKeys,
     FormatMismatch,
-    SafetensorsDir,
+    SafetensorsFiles,
     UnsupportedQuantization,
     load_expert_weights,
     parse_quant_config,
 )
 from kernels.oracle import choose_backend
 from kernels.reference import DenseExpertWeights, moe_experts_reference, moe_experts_w4a16_reference
+from protos.checkpoint import read_header
 from tests.kernels.quantizers import compressed_tensors_int4
 
 E, H, I = 3, 192, 64
@@ -32,14 +33,13 @@ PREFIX = "model.layers.0.mlp.experts"
 KEYS = [ExpertKeys(f"{PREFIX}.{e}.gate_proj", f"{PREFIX}.{e}.up_proj", f"{PREFIX}.{e}.down_proj") for e in range(E)]
 
 
-def _write(path: Path, tensors: dict[str, torch.Tensor], quantization_config: dict | None) -> SafetensorsDir:
+def _write(path: Path, tensors: dict[str, torch.Tensor]) -> SafetensorsFiles:
+    """A checkpoint directory holding `tensors`, and the loaders' source over it."""
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
-    config = {"model_type": "qwen3_moe"}
-    if quantization_config is not None:
-        config["quantization_config"] = quantization_config
-    (path / "config.json").write_text(json.dumps(config))
-    return SafetensorsDir(path)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    header = read_header(path / "model.safetensors")
+    return SafetensorsFiles({name: entry.file for name, entry in header.tensors.items()})
 
 
 def _dense(weights: dict[str, torch.Tensor]) -> DenseExpertWeights:
@@ -71,7 +71,8 @@ def _assert_same_layer(loaded, dense: DenseExpertWeights):
 
 @pytest.fixture(scope="module")
 def compressed_tensors_checkpoint(tmp_path_factory):
-    """(directory, expected dense weights by prefix) for a 3-expert layer packed by compressed-tensors."""
+    """(source, quantization_config, expected dense weights by prefix) for a 3-expert layer packed by
+    compressed-tensors."""
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
@@ -103,16 +104,16 @@ def compressed_tensors_checkpoint(tmp_path_factory):
 
     packed = {rename(k): v for k, v in model.state_dict().items()}
     path = tmp_path_factory.mktemp("ct")
-    source = _write(path, packed, None)
+    source = _write(path, packed)
     compressor.update_config(str(path))  # writes quantization_config into config.json
     compressor.decompress_model(model)
     dense = {rename(k)[: -len(".weight")]: v for k, v in model.state_dict().items() if k.endswith(".weight")}
-    return source, dense
+    return source, json.loads((path / "config.json").read_text())["quantization_config"], dense
 
 
 def test_compressed_tensors_checkpoint_computes_like_library_decompression(compressed_tensors_checkpoint, rel_error):
-    source, dense = compressed_tensors_checkpoint
-    quant = parse_quant_config(source.quantization_config())
+    source, quantization_config, dense = compressed_tensors_checkpoint
+    quant = parse_quant_config(quantization_config)
     assert quant.method == "compressed-tensors" and quant.group_size == 64
     assert f"{KEYS[0].gate}.weight_packed" in source
     loaded = load_expert_weights(source, KEYS, quant)
@@ -125,7 +126,7 @@ def test_compressed_tensors_checkpoint_computes_like_library_decompression(compr
 
 
 def test_compressed_tensors_tensors_with_gptq_config_are_refused_by_name(compressed_tensors_checkpoint):
-    source, _ = compressed_tensors_checkpoint
+    source, _, _ = compressed_tensors_checkpoint
     with pytest.raises(FormatMismatch, match=r"expected GPTQ tensors .*found compressed-tensors pack-quantized"):
         load_expert_weights(source, KEYS, parse_quant_config({"quant_method": "gptq", "bits": 4, "group_size": 64}))
 
@@ -155,7 +156,8 @@ def _gptq_projection(weight: torch.Tensor, group: int, sign: torch.Tensor):
 
 @pytest.fixture(scope="module")
 def gptq_checkpoint(tmp_path_factory):
-    """(directory, expected dense weights by prefix) for a symmetric GPTQ v1 layer, group 32."""
+    """(source, quantization_config, expected dense weights by prefix, tensors) for a symmetric GPTQ v1
+    layer, group 32."""
     gen = torch.Generator().manual_seed(1)
     group = 32
     tensors, dense = {}, {}
@@ -165,12 +167,12 @@ def gptq_checkpoint(tmp_path_factory):
             parts, dense[prefix] = _gptq_projection(torch.randn(n, k, generator=gen), group, sign)
             tensors.update({f"{prefix}.{name}": t for name, t in parts.items()})
     config = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True, "desc_act": False}
-    return _write(tmp_path_factory.mktemp("gptq"), tensors, config), dense, tensors
+    return _write(tmp_path_factory.mktemp("gptq"), tensors), config, dense, tensors
 
 
 def test_gptq_checkpoint_computes_like_its_dequantization(gptq_checkpoint, rel_error):
-    source, dense, _ = gptq_checkpoint
-    loaded = load_expert_weights(source, KEYS, parse_quant_config(source.quantization_config()))
+    source, config, dense, _ = gptq_checkpoint
+    loaded = load_expert_weights(source, KEYS, parse_quant_config(config))
     assert loaded.scheme.symmetric, "qzeros of 7 are zero 8 (v1 '+1'): symmetric"
     assert (loaded.w13.scales < 0).any(), "negative scales must survive loading"
     x, rows, experts, wts, expected = _assert_same_layer(loaded, _dense(dense))
@@ -179,7 +181,7 @@ def test_gptq_checkpoint_computes_like_its_dequantization(gptq_checkpoint, rel_e
 
 
 def test_gptq_tensors_with_compressed_tensors_config_are_refused_by_name(gptq_checkpoint):
-    source, _, _ = gptq_checkpoint
+    source, _, _, _ = gptq_checkpoint
     config = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
@@ -191,7 +193,7 @@ def test_gptq_tensors_with_compressed_tensors_config_are_refused_by_name(gptq_ch
 
 
 def test_awq_layout_under_gptq_config_is_refused(gptq_checkpoint):
-    _, _, tensors = gptq_checkpoint
+    _, _, _, tensors = gptq_checkpoint
     awq = dict(tensors)
     key = f"{KEYS[0].gate}.qweight"
     awq[key] = torch.zeros(H, I // 8, dtype=torch.int32)  # AWQ packs along N: [K, N/8]
@@ -233,8 +235,8 @@ def test_bf16_checkpoint_is_quantized_on_load(tmp_path, rel_error):
         weights[keys.gate] = torch.randn(I, H, generator=gen).bfloat16()
         weights[keys.up] = torch.randn(I, H, generator=gen).bfloat16()
         weights[keys.down] = torch.randn(H, I, generator=gen).bfloat16()
-    source = _write(tmp_path, {f"{k}.weight": v for k, v in weights.items()}, None)
-    loaded = load_expert_weights(source, KEYS, parse_quant_config(source.quantization_config(), quantize_group=64))
+    source = _write(tmp_path, {f"{k}.weight": v for k, v in weights.items()})
+    loaded = load_expert_weights(source, KEYS, parse_quant_config(None, quantize_group=64))
     assert loaded.scheme.group_size == 64 and loaded.scheme.symmetric
     dense = _dense(weights)
     for e in range(E):
