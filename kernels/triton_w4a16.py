@@ -23,8 +23,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.activations import ACTIVATION_CODES
-
 
 @triton.jit
 def _nibbles_to_float(q, IS_BF16: tl.constexpr):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.activations import ACTIVATION_CODES
 from kernels.backends.base import ExpertBackend, PreparedExperts, Support, symmetric_int4_support
 from kernels.quant import Int4Weights, QuantScheme, W4A16ExpertWeights, unpack_int4
 
@@ -141,7 +142,7 @@ class TritonExperts(PreparedExperts):
         from kernels import triton_w4a16  # imports triton: only once a GPU layer is prepared
 
         self.kernels = triton_w4a16
-        self.activation = triton_w4a16.ACTIVATION_CODES[activation]
+        self.activation = ACTIVATION_CODES[activation]
         self.num_experts = weights.num_experts
         self.hidden_size = weights.hidden_size
         self.intermediate_size = weights.intermediate_size
