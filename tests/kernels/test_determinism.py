@@ -2,8 +2,8 @@
 
 A worker's partial, and so the cluster's tokens, must not depend on the order GPU programs
 finish. The problems put many pairs on each row (top-8 of 32 experts), so a float-atomic sum
-(the kernels before this test) gives different bits from run to run: shown failing on the atomic
-Triton and CUDA kernels on an H200 (see the commit that added this file). CPU backends run in
+(the kernels before this test) gives different bits from run to run: on an H200 all 7 GPU cases
+failed on the atomic Triton and CUDA kernels (2026-12-02, README). CPU backends run in
 CI; GPU backends are marked `gpu` and skipped without a device.
 """
 from __future__ import annotations
