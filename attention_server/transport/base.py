@@ -30,8 +30,9 @@ from attention_server import metrics
 from attention_server.config import MAX_MICROBATCHES
 from attention_server.partition import DispatchPlan, ShardSlice
 from protos.codec import CodecError
-from protos.frames import FrameError
+from protos.frames import FrameError, Header, Kind, status_name
 from protos.placement import Placement
+from protos.security import Security
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,8 @@ class OrderedChannel(Channel):
     """A channel whose replies come back on one connection; a reply read while waiting for
     another is kept until its own receive."""
 
+    security: Security  # what the plane presents (each plane's __init__ sets it)
+
     def __init__(self, worker: int, endpoint: str, timeout_s: float):
         super().__init__(worker, endpoint, timeout_s)
         self.sock: socket.socket | None = None
@@ -184,6 +187,18 @@ class OrderedChannel(Channel):
     @abstractmethod
     def connect(self) -> socket.socket:
         """A new connection to the worker's data plane."""
+
+    def greeted(self, sock: socket.socket, where: str, reply: Header | None, reason: bytes) -> socket.socket:
+        """`sock` once the worker answered our HELLO with its own; else closed, UNAUTHENTICATED.
+        reply: the worker's first frame (None: it closed the connection); reason: an ERROR's text."""
+        if reply is not None and reply.kind == Kind.HELLO:
+            return sock
+        sock.close()
+        if reply is not None and reply.kind == Kind.ERROR:
+            raise self.error(Cause.UNAUTHENTICATED, f"{where}: {bytes(reason).decode(errors='replace')}",
+                             status_name(reply.status))  # fmt: skip
+        raise self.error(Cause.UNAUTHENTICATED, f"{where}: the worker closed the connection instead of answering "
+                         f"our HELLO (over {self.security.describe()}: a worker closes what it cannot authenticate)")
 
     def close(self) -> None:
         self.closed = True

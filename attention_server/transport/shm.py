@@ -48,14 +48,7 @@ class ShmChannel(OrderedChannel):
         except (OSError, FrameError, codec.CodecError) as err:
             sock.close()
             raise self.error(Cause.UNAVAILABLE, f"shm socket: HELLO: {err}") from None
-        if reply is None or reply.kind != Kind.HELLO:
-            sock.close()
-            if reply is not None and reply.kind == Kind.ERROR:
-                raise self.error(Cause.UNAUTHENTICATED, f"shm socket: {answer[HEADER.size:].decode(errors='replace')}",
-                                 frames.status_name(reply.status))  # fmt: skip
-            raise self.error(Cause.UNAUTHENTICATED, "shm socket: the worker closed the connection instead of "
-                                                    "answering our HELLO")  # fmt: skip
-        return sock
+        return self.greeted(sock, "shm socket", reply, answer[HEADER.size:])
 
     def _segment(self, slot: int, size: int) -> tuple[mmap.mmap, int | None]:
         """The slot's segment, replaced by a larger one (whose fd goes to the worker) when too small."""

@@ -47,13 +47,7 @@ class TcpChannel(OrderedChannel):
         except (OSError, FrameError, codec.CodecError) as err:
             sock.close()
             raise self.error(Cause.UNAVAILABLE, f"{where}: HELLO: {err}") from None
-        if header is None or header.kind != Kind.HELLO:
-            sock.close()
-            if header is not None and header.kind == Kind.ERROR:
-                raise self.error(Cause.UNAUTHENTICATED, f"{where}: {reason.decode(errors='replace')}",
-                                 frames.status_name(header.status))  # fmt: skip
-            raise self.error(Cause.UNAUTHENTICATED, f"{where}: the worker closed the connection instead of answering "
-                             f"our HELLO (over {self.security.describe()}: a worker closes what it cannot authenticate)")
+        sock = self.greeted(sock, where, header, reason)
         kernel_deadlines(sock, self.timeout_s, self.deadline_s)
         return sock
 

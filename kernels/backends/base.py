@@ -97,10 +97,7 @@ class PairsByExpert:
     @classmethod
     def group(cls, pair_experts: torch.Tensor, num_experts: int) -> PairsByExpert:
         """Device-side only: no host synchronisation."""
-        sorted_experts, order = torch.sort(pair_experts, stable=True)  # [P], [P]
-        experts = torch.arange(num_experts + 1, device=pair_experts.device, dtype=sorted_experts.dtype)
-        bounds = torch.searchsorted(sorted_experts, experts)  # [E+1]
-        return cls(order.to(torch.int32), bounds.to(torch.int32))
+        return cls(*_stable_groups(pair_experts, num_experts))
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +114,12 @@ class PairsByRow:
     @classmethod
     def group(cls, pair_rows: torch.Tensor, num_rows: int) -> PairsByRow:
         """Device-side only: no host synchronisation."""
-        sorted_rows, order = torch.sort(pair_rows, stable=True)  # [P], [P]
-        rows = torch.arange(num_rows + 1, device=pair_rows.device, dtype=sorted_rows.dtype)
-        bounds = torch.searchsorted(sorted_rows, rows)  # [T+1]
-        return cls(order.to(torch.int32), bounds.to(torch.int32))
+        return cls(*_stable_groups(pair_rows, num_rows))
+
+
+def _stable_groups(keys: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [P] in [0, num_groups) -> (order [P] int32, stable within a group; bounds [G+1] int32)."""
+    sorted_keys, order = torch.sort(keys, stable=True)  # [P], [P]
+    groups = torch.arange(num_groups + 1, device=keys.device, dtype=sorted_keys.dtype)
+    bounds = torch.searchsorted(sorted_keys, groups)  # [G+1]
+    return order.to(torch.int32), bounds.to(torch.int32)
