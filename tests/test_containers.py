@@ -45,6 +45,7 @@ SERVED = "hetero-moe"
 ATTENTION_URL = f"http://{HOST}:8000"
 PROMETHEUS_URL = f"http://{HOST}:9090"
 UP_TIMEOUT_S = 900.0
+# healthcheck.start_interval (in every deploy/ file) needs Docker Engine 25; older engines refuse it.
 COMMAND_TIMEOUT_S = 1800
 BUILD_ENV = {
     "BASE_IMAGE": LOCAL_BASE,
@@ -57,17 +58,22 @@ BUILD_ENV = {
 }
 
 
+ENGINE_MAJOR = 0  # the engine's major version, set by the `engine` fixture
+
+
 def _docker(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def engine() -> None:
+    global ENGINE_MAJOR
     if shutil.which("docker") is None:
         pytest.skip("no docker CLI (`make docker-engine` installs docker.io and starts its engine)")
     r = _docker("info", "--format", "{{.ServerVersion}}", timeout=60)
     if r.returncode != 0:
         pytest.skip(f"no Docker engine answers `docker info` (`make docker-engine` starts one): {r.stderr.strip()}")
+    ENGINE_MAJOR = int(r.stdout.split(".")[0])
 
 
 def _compose() -> list[str]:
@@ -113,6 +119,8 @@ class Project:
             hosts = [f'"{n}:{HOST}"' for n in names if n not in mapped]
             lines += [f"  {service}:", "    network_mode: host", "    ports: !reset []"]
             lines += [f"    extra_hosts: [{', '.join(hosts)}]"] if hosts else []
+            if "start_interval" in spec.get("healthcheck", {}) and ENGINE_MAJOR < 25:  # Debian's docker.io is 20.10
+                lines += ["    healthcheck: {start_interval: !reset null}"]
             if service == "prometheus":  # the image's default flags, and loopback
                 lines += ["    command: [--config.file=/etc/prometheus/prometheus.yml, --storage.tsdb.path=/prometheus,",
                           f"              --web.listen-address={HOST}:9090]"]  # fmt: skip
