@@ -5,7 +5,7 @@ The compose files name public images (`python:3.11-slim` as Dockerfile.cpu's BAS
 this makes local equivalents from Debian's packages, and a wheelhouse so that the image installs
 its Python dependencies without an index:
 
-  hetero-moe/python:3.11-bookworm  Debian bookworm minbase + python3 (3.11), python3-venv, libnuma1
+  hetero-moe/python:3.11-bookworm  Debian bookworm minbase + python3 (3.11), python3-venv, libnuma1, g++
   hetero-moe/prometheus:debian     Debian's prometheus with the public image's contract: ENTRYPOINT
                                    /bin/prometheus, the same default flags, USER nobody, /prometheus
   deploy/wheelhouse/               wheels of pyproject's dependencies (and the build backend), made
@@ -71,7 +71,8 @@ class RootfsImage:
         return _digest({"suite": SUITE, "packages": self.packages, "changes": self.changes, "dirs": self.writable_dirs})
 
 
-PYTHON_BASE = RootfsImage("hetero-moe/python:3.11-bookworm", ("python3", "python3-venv", "libnuma1"))
+# g++ and the Python headers: torch inductor compiles vLLM's CPU kernels at run time.
+PYTHON_BASE = RootfsImage("hetero-moe/python:3.11-bookworm", ("python3", "python3-venv", "python3-dev", "libnuma1", "g++"))
 PROMETHEUS = RootfsImage("hetero-moe/prometheus:debian", ("prometheus",), PROMETHEUS_CHANGES, ("/prometheus",))
 
 
