@@ -10,7 +10,7 @@ GRPCIO_TOOLS := grpcio-tools==1.66.2
 # imports; every install of the project's extras pulls them back in, so each one drops them.
 DROP_CUDA_EXTRAS = $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 
-.PHONY: venv up down test protos model hipcc docker-engine images bench-kernel bench-memory bench-transport bench-pingpong bench-replicas soak clean
+.PHONY: venv up down test protos model hipcc prometheus docker-engine images bench-kernel bench-memory bench-transport bench-pingpong bench-replicas soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ down: venv
 hipcc:
 	@command -v hipcc >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q hipcc; }
 
+# Debian's Prometheus scrapes a live cluster in tests/test_monitoring.py.
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus; }
+
 # tests/test_containers.py runs deploy/'s compose files: Debian's Docker engine (and debootstrap for
 # the local base images), installed when missing; the engine started when none answers. Where it
 # cannot start, say so: those tests then skip, naming the reason.
@@ -62,7 +66,7 @@ docker-engine:
 images: venv docker-engine
 	$(PY) deploy/local_images.py $(ARGS)
 
-test: venv $(PROTOS_VENV)/.installed hipcc docker-engine
+test: venv $(PROTOS_VENV)/.installed hipcc prometheus docker-engine
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench-kernel: venv

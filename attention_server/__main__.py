@@ -1,4 +1,5 @@
-"""python -m attention_server --model DIR --expert-endpoints h:p,h:p,... [vLLM serve flags]
+"""python -m attention_server --model DIR --expert-endpoints h:p,h:p,... (--tls-dir DIR | --plaintext)
+       [vLLM serve flags]
 
 Checks every expert worker against the model, then runs vLLM's OpenAI server
 in this process with the hetero-moe plugin on. Without --expert-endpoints the
@@ -17,6 +18,7 @@ from attention_server.config import (
 )  # fmt: skip
 from attention_server.handshake import WorkerMismatchError, check_workers
 from protos.checkpoint import CheckpointError, read_checkpoint
+from protos import security
 from protos.placement import replicas_flag
 
 logger = logging.getLogger("attention_server")
@@ -26,6 +28,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="python -m attention_server", description=__doc__, add_help=False)
     p.add_argument("--model", required=True, help="HF-format MoE checkpoint directory")
     p.add_argument("--expert-endpoints", default="", help="HOST:PORT of worker 0, worker 1, ... (comma-separated)")
+    security.add_flags(p)
     p.add_argument("--expert-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, help="seconds per Forward RPC")
     p.add_argument("--worker-ready-timeout", type=float, default=120.0, help="seconds to wait for each worker at start")
     p.add_argument("--data-plane", choices=DATA_PLANES, default="auto",
@@ -86,24 +89,30 @@ def main(argv: list[str] | None = None) -> None:
         # First: nothing may import prometheus_client before it (the transport's metrics do).
         metrics_dir = share_metrics_across_processes()  # noqa: F841 (kept alive until exit)
         from attention_server.transport import factory
+        from attention_server.transport.base import ExpertWorkerError
         from attention_server.transport.factory import PlaneUnavailable
 
         try:
             cfg = AttentionConfig.from_flags(ours.expert_endpoints, ours.expert_timeout, ours.data_plane,
                                              ours.pingpong_microbatches, ours.expert_replicas,
-                                             ours.worker_loss_timeout)  # fmt: skip
+                                             ours.worker_loss_timeout, tls_dir=ours.tls_dir,
+                                             plaintext=ours.plaintext)  # fmt: skip
+            credentials = cfg.security()
             vllm_argv += pingpong_worker_args(cfg.pingpong_microbatches, vllm_argv)
             ckpt = read_checkpoint(ours.model)
-            infos, placement = check_workers(cfg.expert_endpoints, ckpt, ours.worker_ready_timeout, cfg.expert_replicas)
+            infos, placement = check_workers(cfg.expert_endpoints, ckpt, ours.worker_ready_timeout, credentials,
+                                             cfg.expert_replicas)  # fmt: skip
             cfg = dataclasses.replace(cfg, expert_replicas=placement.replicas)
-            # Refuse now, not in vLLM's engine, when a worker lacks the plane asked for; logs each choice.
-            factory.connect(cfg.expert_endpoints, infos, cfg.data_plane, cfg.request_timeout_s, placement).close()
-        except (ValueError, CheckpointError, WorkerMismatchError, PlaneUnavailable) as err:
+            # Refuse now, not in vLLM's engine, when a worker lacks the plane asked for or refuses
+            # this node's certificate or token on it; logs each choice.
+            factory.connect(cfg.expert_endpoints, infos, cfg.data_plane, cfg.request_timeout_s, placement,
+                            credentials).close()  # fmt: skip
+        except (ValueError, CheckpointError, WorkerMismatchError, PlaneUnavailable, ExpertWorkerError) as err:
             logger.error("refusing to start: %s", err)
             raise SystemExit(2) from None
         cfg.publish()
-        logger.info("%d expert workers match %s, every expert on %d of them; starting vLLM", len(cfg.expert_endpoints),
-                    ours.model, cfg.expert_replicas)  # fmt: skip
+        logger.info("%d expert workers match %s, every expert on %d of them, over %s; starting vLLM",
+                    len(cfg.expert_endpoints), ours.model, cfg.expert_replicas, credentials.describe())  # fmt: skip
     serve_vllm(vllm_argv)
 
 

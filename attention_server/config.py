@@ -10,7 +10,12 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from protos.security import Security
 
 ENDPOINTS_ENV = "HETERO_MOE_EXPERT_ENDPOINTS"
 TIMEOUT_ENV = "HETERO_MOE_REQUEST_TIMEOUT_S"
@@ -18,6 +23,8 @@ DATA_PLANE_ENV = "HETERO_MOE_DATA_PLANE"
 PINGPONG_ENV = "HETERO_MOE_PINGPONG_MICROBATCHES"
 REPLICAS_ENV = "HETERO_MOE_EXPERT_REPLICAS"
 WORKER_LOSS_ENV = "HETERO_MOE_WORKER_LOSS_TIMEOUT_S"
+TLS_DIR_ENV = "HETERO_MOE_TLS_DIR"  # --tls-dir
+PLAINTEXT_ENV = "HETERO_MOE_PLAINTEXT"  # "1": --plaintext
 MAX_MICROBATCHES = 4
 DATA_PLANES = ("auto", "shm", "tcp", "grpc")
 DEFAULT_REQUEST_TIMEOUT_S = 60.0
@@ -52,6 +59,7 @@ class AttentionConfig:
     pingpong_microbatches: int | None = None  # m: steps of at least m requests run as m micro-batches; None: auto
     expert_replicas: int | None = None  # R: workers holding each shard; None: what the workers hold
     worker_loss_timeout_s: float = DEFAULT_WORKER_LOSS_TIMEOUT_S  # a shard with no live replica waits this long
+    tls_dir: Path | None = field(kw_only=True)  # mutual TLS and token from here (protos/security.py); None: plaintext
 
     def __post_init__(self) -> None:
         if not self.expert_endpoints:
@@ -71,13 +79,25 @@ class AttentionConfig:
             raise ValueError(f"expert replicas must be 1 to {workers} (the number of workers), got {self.expert_replicas}")
         if not self.worker_loss_timeout_s >= 0:
             raise ValueError(f"worker loss timeout must be >= 0 s, got {self.worker_loss_timeout_s}")
+        if self.tls_dir is not None and not self.tls_dir.is_dir():
+            raise ValueError(f"--tls-dir {self.tls_dir} is not a directory")
+
+    def security(self) -> Security:
+        """This node's credentials towards the workers (reads the TLS directory)."""
+        from protos.security import Security  # grpc: not in every vLLM process the plugin registers in
+
+        return Security.load(self.tls_dir, "attention")
 
     @classmethod
     def from_flags(cls, endpoints: str, request_timeout_s: float, data_plane: str = "auto",
                    pingpong_microbatches: int | None = None, expert_replicas: int | None = None,
-                   worker_loss_timeout_s: float = DEFAULT_WORKER_LOSS_TIMEOUT_S) -> AttentionConfig:  # fmt: skip
+                   worker_loss_timeout_s: float = DEFAULT_WORKER_LOSS_TIMEOUT_S, *, tls_dir: Path | None,
+                   plaintext: bool) -> AttentionConfig:  # fmt: skip
+        from protos.security import tls_dir_flag
+
         return cls(tuple(e.strip() for e in endpoints.split(",") if e.strip()), request_timeout_s, data_plane,
-                   pingpong_microbatches, expert_replicas, worker_loss_timeout_s)  # fmt: skip
+                   pingpong_microbatches, expert_replicas, worker_loss_timeout_s,
+                   tls_dir=tls_dir_flag(tls_dir, plaintext))  # fmt: skip
 
     @classmethod
     def from_env(cls) -> AttentionConfig | None:
@@ -90,6 +110,8 @@ class AttentionConfig:
             endpoints, float(os.environ.get(TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT_S)), os.environ.get(DATA_PLANE_ENV, "auto"),
             microbatches_flag(os.environ.get(PINGPONG_ENV, "auto")), int(replicas) if replicas else None,
             float(os.environ.get(WORKER_LOSS_ENV, DEFAULT_WORKER_LOSS_TIMEOUT_S)),
+            tls_dir=Path(tls) if (tls := os.environ.get(TLS_DIR_ENV)) else None,
+            plaintext=os.environ.get(PLAINTEXT_ENV) == "1",
         )  # fmt: skip
 
     def publish(self) -> None:
@@ -99,6 +121,12 @@ class AttentionConfig:
         os.environ[DATA_PLANE_ENV] = self.data_plane
         os.environ[PINGPONG_ENV] = "auto" if self.pingpong_microbatches is None else str(self.pingpong_microbatches)
         os.environ[WORKER_LOSS_ENV] = repr(self.worker_loss_timeout_s)
+        if self.tls_dir is None:
+            os.environ.pop(TLS_DIR_ENV, None)
+            os.environ[PLAINTEXT_ENV] = "1"
+        else:
+            os.environ[TLS_DIR_ENV] = str(self.tls_dir.resolve())
+            os.environ.pop(PLAINTEXT_ENV, None)
         if self.expert_replicas is None:
             os.environ.pop(REPLICAS_ENV, None)
         else:

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
-from protos import PROTOCOL_VERSION, GRPC_OPTIONS, codec
+from protos import PROTOCOL_VERSION, codec
 from protos import expert_pb2 as pb
 from protos import expert_pb2_grpc as pb_grpc
 from protos.checkpoint import MoeCheckpoint
 from protos.placement import Placement
+from protos.security import Security
 
 logger = logging.getLogger(__name__)
 
@@ -40,20 +42,35 @@ def expected_differences(info: pb.InfoResponse, ckpt: MoeCheckpoint, worker: int
     return diffs
 
 
-def fetch_info(worker: int, endpoint: str, ready_timeout_s: float) -> pb.InfoResponse:
-    """The worker's Info, once it answers; WorkerMismatchError when it does not in time."""
-    with grpc.insecure_channel(endpoint, options=GRPC_OPTIONS) as channel:
-        try:
-            grpc.channel_ready_future(channel).result(timeout=ready_timeout_s)
-            return pb_grpc.ExpertServiceStub(channel).Info(pb.InfoRequest(), timeout=ready_timeout_s)
-        except grpc.FutureTimeoutError:
-            raise WorkerMismatchError(f"worker {worker} at {endpoint}: not reachable within {ready_timeout_s:.0f} s") from None
-        except grpc.RpcError as err:
-            raise WorkerMismatchError(f"worker {worker} at {endpoint}: Info failed: {err.code().name}: {err.details()}") from None
+RETRY_INTERVAL_S = 0.5
+
+
+def fetch_info(worker: int, endpoint: str, ready_timeout_s: float, security: Security) -> pb.InfoResponse:
+    """The worker's Info, once it answers; WorkerMismatchError when it does not in time (naming the
+    last connection error: a refused certificate reads as a closed socket or a failed handshake)
+    or refuses this node's token."""
+    deadline = time.monotonic() + ready_timeout_s
+    last = "no attempt"
+    with security.channel(endpoint) as channel:
+        stub = pb_grpc.ExpertServiceStub(channel)
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                return stub.Info(pb.InfoRequest(), timeout=left)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE:  # it answered: no point in waiting
+                    raise WorkerMismatchError(f"worker {worker} at {endpoint}: Info failed: {err.code().name}: "
+                                              f"{err.details()}") from None  # fmt: skip
+                last = err.details()
+            time.sleep(min(RETRY_INTERVAL_S, max(0.0, deadline - time.monotonic())))
+    hint = (f"; with {security.describe()}, the worker must hold certificates from the same CA"
+            if security.tls else "")  # fmt: skip
+    raise WorkerMismatchError(f"worker {worker} at {endpoint}: not reachable within {ready_timeout_s:.0f} s "
+                              f"(last error: {last}){hint}")  # fmt: skip
 
 
 def check_workers(
-    endpoints: tuple[str, ...], ckpt: MoeCheckpoint, ready_timeout_s: float, replicas: int | None = None
+    endpoints: tuple[str, ...], ckpt: MoeCheckpoint, ready_timeout_s: float, security: Security,
+    replicas: int | None = None,
 ) -> tuple[list[pb.InfoResponse], Placement]:
     """Wait for each worker, then compare its Info with the placement of `replicas` (None: the
     first worker's); raise WorkerMismatchError naming every difference. Every expert is then held by
@@ -61,7 +78,7 @@ def check_workers(
     infos, problems, placement = [], [], None
     for worker, endpoint in enumerate(endpoints):
         try:
-            info = fetch_info(worker, endpoint, ready_timeout_s)
+            info = fetch_info(worker, endpoint, ready_timeout_s, security)
         except WorkerMismatchError as err:
             problems.append(str(err))
             continue

@@ -12,12 +12,31 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from protos import frames
+
 DISPATCH_MESSAGES = Counter("hetero_moe_dispatch_messages", "Forward messages sent to each expert worker", ["worker"])
 DISPATCH_ROWS = Counter("hetero_moe_dispatch_rows", "Token rows sent to each expert worker", ["worker"])
 DISPATCH_PAIRS = Counter("hetero_moe_dispatch_pairs", "(token, expert) pairs sent to each expert worker", ["worker"])
+DISPATCH_BYTES_SENT = Counter("hetero_moe_dispatch_sent_bytes",
+                              "Payload bytes (rows and pairs) sent to each expert worker, on any plane", ["worker"])  # fmt: skip
+DISPATCH_BYTES_RECEIVED = Counter("hetero_moe_dispatch_received_bytes",
+                                  "Payload bytes of the partials each expert worker sent back", ["worker"])  # fmt: skip
 ROUTED_TOKENS = Counter("hetero_moe_route_tokens", "Tokens routed to remote experts, per MoE layer", ["layer"])
+ROUTED_PAIRS = Counter("hetero_moe_route_pairs", "(token, expert) pairs routed to remote experts, per MoE layer",
+                       ["layer"])  # fmt: skip
+EXPERT_IMBALANCE = Histogram(
+    "hetero_moe_route_expert_imbalance_ratio",
+    "Per MoE layer and step: the busiest expert's pairs over the mean per expert (1: balanced; at most E / top-k "
+    "for one token). One series for all layers and experts; the full per-expert view is issue 12's.",
+    buckets=(1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0),
+)
 # From 50 µs: a MoE layer of the tiny model takes well under a millisecond.
 _STEP_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+ROUND_TRIP = Histogram(
+    "hetero_moe_transport_round_trip_seconds",
+    "From sending a request to a worker to reading its answer (under ping-pong this includes the other "
+    "micro-batch's attention, run while the answer was on its way)", ["worker"], buckets=_STEP_BUCKETS,
+)
 STEP_FORWARD = Histogram("hetero_moe_step_forward_seconds", "One step's model forward on the attention node",
                          buckets=_STEP_BUCKETS)  # fmt: skip
 STEP_EXPERT_WAIT = Histogram(
@@ -43,8 +62,10 @@ TRANSPORT_PLANE = Gauge(
 )
 WORKER_UP = Gauge("hetero_moe_transport_worker_up", "1 while an expert worker gets work, 0 while it is down",
                   ["worker"], multiprocess_mode="livemax")  # fmt: skip
-WORKER_FAILURES = Counter(
-    "hetero_moe_transport_worker_failures", "Expert workers marked down, by cause (unavailable, deadline)", ["worker", "cause"]
+TRANSPORT_ERRORS = Counter(
+    "hetero_moe_transport_errors",
+    "Requests to a worker that failed, by cause: unavailable and deadline take the worker down (counted once per "
+    "outage, its slices fail over), refused is the worker's error answer to one request", ["worker", "cause"],
 )
 FAILOVERS = Counter("hetero_moe_transport_failovers", "Slices re-sent to another replica, by the worker that took them",
                     ["worker"])  # fmt: skip
@@ -75,32 +96,45 @@ class DispatchCounts:
     """What the plugin sent, added up over a step and published once per step.
 
     prometheus_client's multiprocess counters cost about a microsecond or two per increment, and
-    one layer would make a dozen; the totals on /metrics are current after every step.
+    one layer would make dozens; the totals on /metrics are current after every step.
     """
 
     def __init__(self, num_workers: int):
-        self.sent = [[0, 0, 0] for _ in range(num_workers)]  # per worker: messages, rows, pairs
-        self.routed: dict[int, int] = {}  # tokens per MoE layer
+        self.sent = [[0, 0, 0, 0, 0] for _ in range(num_workers)]  # per worker: messages, rows, pairs, bytes out, in
+        self.routed: dict[int, list] = {}  # per MoE layer: [tokens, pairs per expert [E]]
         workers = [str(w) for w in range(num_workers)]
         self._series = [
-            [DISPATCH_MESSAGES.labels(w), DISPATCH_ROWS.labels(w), DISPATCH_PAIRS.labels(w)] for w in workers
-        ]
+            [DISPATCH_MESSAGES.labels(w), DISPATCH_ROWS.labels(w), DISPATCH_PAIRS.labels(w),
+             DISPATCH_BYTES_SENT.labels(w), DISPATCH_BYTES_RECEIVED.labels(w)] for w in workers
+        ]  # fmt: skip
 
-    def add(self, layer: int, num_tokens: int, answered) -> None:
-        """answered: (worker, slice) of each request a worker computed."""
-        self.routed[layer] = self.routed.get(layer, 0) + num_tokens
-        for worker, part in answered:
+    def add(self, layer: int, plan, width: int, itemsize: int, workers: list[int]) -> None:
+        """plan: the layer's DispatchPlan for a [T, width] input of `itemsize`-byte elements;
+        workers: the worker that computed each of its slices."""
+        routed = self.routed.get(layer)
+        if routed is None:
+            self.routed[layer] = [plan.num_tokens, plan.expert_pairs.copy()]
+        else:
+            routed[0] += plan.num_tokens
+            routed[1] += plan.expert_pairs
+        for worker, part in zip(workers, plan.slices):
+            rows, pairs = len(part.rows), part.num_pairs
             sent = self.sent[worker]
             sent[0] += 1
-            sent[1] += len(part.rows)
-            sent[2] += part.num_pairs
+            sent[1] += rows
+            sent[2] += pairs
+            sent[3] += frames.forward_payload(rows, width, itemsize, pairs)
+            sent[4] += frames.partial_payload(rows, width)
 
     def publish(self) -> None:
         for sent, series in zip(self.sent, self._series):
             if sent[0]:
                 for value, counter in zip(sent, series):
                     counter.inc(value)
-                sent[:] = [0, 0, 0]
-        for layer, tokens in self.routed.items():
-            ROUTED_TOKENS.labels(str(layer)).inc(tokens)
+                sent[:] = [0, 0, 0, 0, 0]
+        for layer, (tokens, expert_pairs) in self.routed.items():
+            label = str(layer)
+            ROUTED_TOKENS.labels(label).inc(tokens)
+            ROUTED_PAIRS.labels(label).inc(int(expert_pairs.sum()))
+            EXPERT_IMBALANCE.observe(float(expert_pairs.max() / expert_pairs.mean()))
         self.routed.clear()

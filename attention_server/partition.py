@@ -52,6 +52,7 @@ class DispatchPlan:
 
     num_tokens: int
     slices: tuple[ShardSlice, ...]  # ascending shard
+    expert_pairs: np.ndarray  # [E] int64, pairs routed to each expert (the load the metrics see)
 
 
 def partition(topk_ids: torch.Tensor, topk_weights: torch.Tensor, shards: np.ndarray) -> DispatchPlan:
@@ -82,4 +83,4 @@ def partition(topk_ids: torch.Tensor, topk_weights: torch.Tensor, shards: np.nda
                    torch.from_numpy(pairs[:, bounds[i] : bounds[i + 1]].copy()))  # fmt: skip
         for i, shard in enumerate(owners[starts].tolist())
     )
-    return DispatchPlan(num_tokens=num_tokens, slices=slices)
+    return DispatchPlan(num_tokens=num_tokens, slices=slices, expert_pairs=np.bincount(ids, minlength=len(shards)))

@@ -1,4 +1,4 @@
-"""python -m attention_server.probe HOST:PORT[,HOST:PORT ...] [--json]
+"""python -m attention_server.probe HOST:PORT[,HOST:PORT ...] (--tls-dir DIR | --plaintext) [--json]
 
 Measures, from this host, the round trip to each expert worker on every data plane it offers
 that reaches it from here (shared memory only from the worker's own host): latency of a small
@@ -19,6 +19,7 @@ from attention_server.config import parse_endpoint
 from attention_server.handshake import WorkerMismatchError, fetch_info
 from attention_server.transport.base import ExpertWorkerError
 from attention_server.transport.factory import PlaneUnavailable, open_channel
+from protos.security import Security, add_flags
 
 SMALL, LARGE = 4 << 10, 8 << 20  # bytes each way
 PLANES = ("shm", "tcp", "grpc")
@@ -34,13 +35,13 @@ def echo_times(channel, payload: memoryview, iterations: int) -> list[float]:
     return sorted(times)
 
 
-def probe_worker(worker: int, endpoint: str, timeout_s: float, iterations: int) -> dict:
-    info = fetch_info(worker, endpoint, timeout_s)
+def probe_worker(worker: int, endpoint: str, timeout_s: float, iterations: int, security: Security) -> dict:
+    info = fetch_info(worker, endpoint, timeout_s, security)
     planes = {}
     for plane in PLANES:
         try:
-            channel = open_channel(worker, endpoint, info, plane, timeout_s)
-        except PlaneUnavailable as err:
+            channel = open_channel(worker, endpoint, info, plane, timeout_s, security)
+        except (PlaneUnavailable, ExpertWorkerError) as err:
             planes[plane] = {"unavailable": str(err)}
             continue
         try:
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m attention_server.probe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("endpoints", help="HOST:PORT of each worker's gRPC port, comma-separated")
+    add_flags(p)
     p.add_argument("--iterations", type=int, default=200, help="latency round trips per plane")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for a worker")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -73,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for e in endpoints:
             parse_endpoint(e)
-        results = [probe_worker(w, e, a.timeout, a.iterations) for w, e in enumerate(endpoints)]
+        security = Security.from_flags(a.tls_dir, a.plaintext, "attention")
+        results = [probe_worker(w, e, a.timeout, a.iterations, security) for w, e in enumerate(endpoints)]
     except (ValueError, WorkerMismatchError) as err:
         print(f"probe: {err}", file=sys.stderr)
         return 2

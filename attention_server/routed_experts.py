@@ -162,8 +162,8 @@ class RemoteRoutedExperts(RoutedExperts):
         start = time.perf_counter()
         partials = pending.wait()
         waited = time.perf_counter()
-        self.pool.counts.add(self.layer_index, pending.plan.num_tokens,
-                             [(call.worker, part) for call, part in zip(pending.calls, pending.plan.slices)])  # fmt: skip
+        self.pool.counts.add(self.layer_index, pending.plan, x.shape[1], x.element_size(),
+                             [call.worker for call in pending.calls])  # fmt: skip
         out = combine(pending.plan, partials, x.shape[1], x.dtype).to(x.device)
         self.pool.times.expert_wait_s += waited - start
         self.pool.times.combine_s += time.perf_counter() - waited

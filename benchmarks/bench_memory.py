@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 import tiny_models
+from cluster.certs import reuse_or_make
 from cluster.launcher import ClusterSpec, stop_pids, wait_http_ready
 from protos.checkpoint import read_checkpoint
 
@@ -76,7 +77,7 @@ def main() -> None:
 
     spec = ClusterSpec(model=model, num_workers=8, worker_base_port=a.worker_base_port, http_port=a.port, host=HOST,
                        run_dir=logs, worker_threads=1, worker_metrics_base_port=a.worker_metrics_base_port,
-                       vllm_args=VLLM_ARGS)  # fmt: skip
+                       vllm_args=VLLM_ARGS, tls_dir=reuse_or_make(logs / "tls"))  # fmt: skip
     workers = {}
     for i in range(spec.num_workers):
         with (logs / f"worker-{i}.log").open("wb") as f:

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import tiny_models
 from attention_server.config import MAX_MICROBATCHES
+from cluster.certs import reuse_or_make
 from cluster.launcher import ClusterSpec, free_ports, free_worker_ports, stop_pids, wait_http_ready
 from expert_server.config import BENCHMARK_ENV
 from protos.checkpoint import read_checkpoint
@@ -184,7 +185,7 @@ class Cluster:
     def __init__(self, model: Path, logs: Path, workers: int):
         self.model, self.logs = model, logs
         self.spec = ClusterSpec(model=model, num_workers=workers, http_port=0, host=HOST, run_dir=logs, worker_threads=1,
-                                **free_worker_ports(workers))  # fmt: skip
+                                **free_worker_ports(workers), tls_dir=reuse_or_make(logs / "tls"))  # fmt: skip
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start_workers(self, delay_ms: float, delay_us_per_row: float) -> None:
@@ -201,7 +202,7 @@ class Cluster:
         (port,) = free_ports(1)
         flag = "auto" if m is None else str(m)
         cmd = [sys.executable, "-m", "attention_server", "--model", str(self.model), "--expert-endpoints",
-               ",".join(self.spec.endpoints), "--pingpong-microbatches", flag, "--host", HOST, "--port", str(port),
+               ",".join(self.spec.endpoints), *self.spec.security_args(), "--pingpong-microbatches", flag, "--host", HOST, "--port", str(port),
                *VLLM_ARGS]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")}
         with (self.logs / f"attention-m{flag}.log").open("wb") as f:

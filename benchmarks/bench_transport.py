@@ -16,7 +16,9 @@ One run, loopback only, every process started and stopped by the bench:
    servers start at once and are measured in alternating rounds (latency: medians of four
    rounds; throughput: the fastest of four).
 
-Prints a table, writes JSON and a PNG next to it. Absolute times are this machine's; compare
+Workers and attention servers run with mutual TLS and the token, as `make up` runs them
+(benchmarks/bench_tls.py measures what that costs). Prints a table, writes JSON and a PNG next
+to it. Absolute times are this machine's; compare
 ratios from the same run.
 
     python -m benchmarks.bench_transport --gpu [--out FILE]      (a CUDA machine, no vLLM needed)
@@ -42,7 +44,6 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
 import psutil
 import torch
 
@@ -53,12 +54,14 @@ from attention_server.partition import partition
 from attention_server.transport import factory
 from attention_server.transport.factory import open_channel
 from benchmarks.tcp_echo import LENGTH
+from cluster.certs import reuse_or_make
 from cluster.launcher import ClusterSpec, free_port_run, free_ports, free_worker_ports, stop_pids, wait_http_ready
-from protos import GRPC_OPTIONS, codec
+from protos import codec
 from protos import expert_pb2_grpc as pb_grpc
 from protos.checkpoint import read_checkpoint
 from protos.placement import Placement
 from protos.frames import recv_into_exactly, send_parts
+from protos.security import Security
 
 logger = logging.getLogger("bench_transport")
 
@@ -107,8 +110,8 @@ class Floor:
 
 
 class Plane:
-    def __init__(self, plane: str, endpoints: list[str], infos):
-        self.channels = [open_channel(w, e, info, plane, 60) for w, (e, info) in enumerate(zip(endpoints, infos))]
+    def __init__(self, plane: str, endpoints: list[str], infos, security: Security):
+        self.channels = [open_channel(w, e, info, plane, 60, security) for w, (e, info) in enumerate(zip(endpoints, infos))]
         assert {c.plane for c in self.channels} == {plane}
 
     def round_trip(self, payload: memoryview, fanout: int) -> None:
@@ -124,8 +127,8 @@ class Plane:
 class UnaryProtobuf:
     """The first slice's dispatch: a protobuf `bytes` field, unary calls, the sync stub's futures."""
 
-    def __init__(self, endpoints: list[str]):
-        self.channels = [grpc.insecure_channel(e, options=GRPC_OPTIONS) for e in endpoints]
+    def __init__(self, endpoints: list[str], security: Security):
+        self.channels = [security.channel(e) for e in endpoints]
         self.stubs = [pb_grpc.ExpertServiceStub(c) for c in self.channels]
 
     def round_trip(self, tensor: torch.Tensor, fanout: int) -> None:
@@ -176,14 +179,15 @@ def measure_interleaved(clients: dict, data: dict, fanout: int, servers: dict, b
     return rows
 
 
-def round_trips(endpoints: list[str], worker_pids: list[int], echo_ports: list[int], echo_pids: list[int]) -> list[dict]:
-    infos = [fetch_info(w, e, 120) for w, e in enumerate(endpoints)]
+def round_trips(endpoints: list[str], worker_pids: list[int], echo_ports: list[int], echo_pids: list[int],
+                security: Security) -> list[dict]:  # fmt: skip
+    infos = [fetch_info(w, e, 120, security) for w, e in enumerate(endpoints)]
     rows = []
     for size in SIZES:
         tensor = torch.randn(size // (2 * WIDTH), WIDTH).to(torch.bfloat16)
         payload = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-        clients = {"tcp floor": Floor(echo_ports), **{p: Plane(p, endpoints, infos) for p in PATHS[1:4]},
-                   PATHS[4]: UnaryProtobuf(endpoints)}  # fmt: skip
+        clients = {"tcp floor": Floor(echo_ports), **{p: Plane(p, endpoints, infos, security) for p in PATHS[1:4]},
+                   PATHS[4]: UnaryProtobuf(endpoints, security)}  # fmt: skip
         data = {p: tensor if p == PATHS[4] else payload for p in PATHS}
         servers = {p: echo_pids if p == "tcp floor" else worker_pids for p in PATHS}
         try:
@@ -264,7 +268,7 @@ def end_to_end(model: Path, spec: ClusterSpec, logs: Path, num_moe_layers: int, 
                 cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *serve]
             else:
                 cmd = [sys.executable, "-m", "attention_server", "--expert-endpoints", ",".join(spec.endpoints),
-                       "--data-plane", name, *serve]  # fmt: skip
+                       *spec.security_args(), "--data-plane", name, *serve]  # fmt: skip
             with (logs / f"{'stock' if name == 'stock' else 'attention-' + name}.log").open("wb") as out:
                 procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                                env=env)  # fmt: skip
@@ -373,7 +377,7 @@ def gpu_layers(logs: Path) -> dict:
     model = tiny_models.make("qwen3_moe", cache / "qwen3_moe-a3b", preset="a3b")
     ckpt = read_checkpoint(model)
     spec = ClusterSpec(model=model, num_workers=NUM_WORKERS, http_port=0, host=HOST, run_dir=logs, worker_threads=1,
-                       **free_worker_ports(NUM_WORKERS),
+                       **free_worker_ports(NUM_WORKERS), tls_dir=reuse_or_make(logs / "tls"),
                        worker_args=("--device", "cuda", "--weight-format", "w4a16", "--kernel-backend", "triton"))  # fmt: skip
     procs = {}
     try:
@@ -381,9 +385,10 @@ def gpu_layers(logs: Path) -> dict:
             with (logs / f"gpu-worker-{i}.log").open("wb") as f:
                 procs[i] = subprocess.Popen(spec.worker_command(i), stdout=f, stderr=subprocess.STDOUT,
                                             start_new_session=True)  # fmt: skip
-        infos = [fetch_info(w, e, 900) for w, e in enumerate(spec.endpoints)]
+        security = Security.load(spec.tls_dir, "attention")
+        infos = [fetch_info(w, e, 900, security) for w, e in enumerate(spec.endpoints)]
         placement = Placement(ckpt.num_experts, NUM_WORKERS, infos[0].expert_replicas)
-        transport = factory.connect(tuple(spec.endpoints), infos, "auto", 120, placement)
+        transport = factory.connect(tuple(spec.endpoints), infos, "auto", 120, placement, security)
         shards = placement.shard_table()
         g = torch.Generator().manual_seed(0)
         x = torch.randn(GPU_TOKENS, ckpt.hidden_size, generator=g).to(torch.bfloat16)
@@ -451,7 +456,7 @@ def main() -> None:
         return
     model = tiny_models.make("qwen3_moe", tiny_models.default_model_dir())
     spec = ClusterSpec(model=model, num_workers=NUM_WORKERS, http_port=0, host=HOST, run_dir=logs, worker_threads=1,
-                       **free_worker_ports(NUM_WORKERS))  # fmt: skip
+                       **free_worker_ports(NUM_WORKERS), tls_dir=reuse_or_make(logs / "tls"))  # fmt: skip
     procs: dict[str, subprocess.Popen] = {}
     try:
         for i in range(NUM_WORKERS):
@@ -467,7 +472,8 @@ def main() -> None:
             _wait_port(port)
         workers = [procs[f"worker-{i}"].pid for i in range(NUM_WORKERS)]
         echoes = [procs[f"echo-{i}"].pid for i in range(NUM_WORKERS)]
-        rows = [] if a.skip_round_trips else round_trips(spec.endpoints, workers, echo_ports, echoes)
+        security = Security.load(spec.tls_dir, "attention")
+        rows = [] if a.skip_round_trips else round_trips(spec.endpoints, workers, echo_ports, echoes, security)
         planes = [x for x in a.e2e_planes.split(",") if x]
         e2e = None if a.skip_e2e else end_to_end(model, spec, logs, len(read_checkpoint(model).moe_layers), planes)
     finally:

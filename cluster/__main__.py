@@ -1,9 +1,12 @@
-"""python -m cluster up|down — a whole cluster on this machine.
+"""python -m cluster up|down|certs — a whole cluster on this machine, and the certificates of one.
 
   up    start W expert workers and the attention server on the default model
         (made locally on first use) or --model DIR; print the endpoint; Ctrl-C
         stops everything. --detach returns once it serves; `down` stops it.
   down  stop a cluster started with --detach.
+  certs DIR  make a CA, the workers' and the attention node's certificates and a token in DIR
+        (cluster/certs.py says which file goes to which host); `up` makes its own in its run
+        directory unless --plaintext or --tls-dir.
 
 Arguments after `--` go to vLLM (e.g. -- --enforce-eager).
 """
@@ -18,7 +21,9 @@ import time
 from pathlib import Path
 
 from attention_server.config import DATA_PLANES, microbatches_flag
+from cluster.certs import make_certs, reuse_or_make
 from cluster.launcher import Cluster, ClusterSpec, stop_detached
+from protos import security
 from protos.checkpoint import read_checkpoint
 from protos.placement import available_host_memory, choose_replicas, replicas_flag
 
@@ -63,12 +68,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     up.add_argument("--pingpong-microbatches", type=microbatches_flag, default=None, metavar="M|auto",
                     help="steps of at least M requests run as M micro-batches in ping-pong (1 to 4); 1: off; "
                          "auto (default): M chosen per step from measured times")
+    tls = up.add_mutually_exclusive_group()
+    tls.add_argument("--tls-dir", type=Path, default=None, metavar="DIR",
+                     help="certificates and token from DIR (python -m cluster certs DIR); default: made once in "
+                          "RUN_DIR/tls and reused")
+    tls.add_argument("--plaintext", action="store_true", help="no TLS and no token between the pools")
     up.add_argument("--ready-timeout", type=float, default=900.0)
     up.add_argument("--detach", action="store_true", help="return once serving; stop with `down`")
     up.add_argument("--run-dir", type=Path, default=default_run_dir(), help="logs and the detached cluster's state")
     up.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: flags for vLLM")
     down = sub.add_parser("down", help="stop a detached cluster")
     down.add_argument("--run-dir", type=Path, default=default_run_dir())
+    certs = sub.add_parser("certs", help="make a CA, node certificates and a token for --tls-dir")
+    certs.add_argument("dir", type=Path, help="a new directory (or one without these files)")
+    certs.add_argument("--worker-host", action="append", default=[], metavar="NAME",
+                       help="another name or IP the workers are reached by (repeat); expert-0..7, localhost and "
+                            "127.0.0.1 are always in")
+    certs.add_argument("--attention-host", action="append", default=[], metavar="NAME",
+                       help="another name or IP of the attention node (repeat)")
     return p.parse_args(argv)
 
 
@@ -79,6 +96,17 @@ def worker_args(a: argparse.Namespace) -> tuple[str, ...]:
     if a.kernel_backend is not None:
         args += ["--kernel-backend", a.kernel_backend]
     return tuple(args)
+
+
+def tls_dir(a: argparse.Namespace) -> Path | None:
+    """Where the nodes' certificates are: --tls-dir, else RUN_DIR/tls (made on first use); None: --plaintext."""
+    if a.plaintext:
+        return None
+    if a.tls_dir is not None:
+        return a.tls_dir.resolve()
+    directory = reuse_or_make((a.run_dir / "tls").resolve())
+    print(f"mutual TLS between the pools, certificates and token in {directory}", flush=True)
+    return directory
 
 
 def up(a: argparse.Namespace) -> int:
@@ -101,6 +129,7 @@ def up(a: argparse.Namespace) -> int:
         run_dir=a.run_dir,
         worker_threads=a.worker_threads,
         worker_metrics_base_port=a.worker_metrics_base_port,
+        tls_dir=tls_dir(a),
         worker_data_base_port=a.worker_data_base_port,
         data_plane=a.data_plane,
         pingpong_microbatches=a.pingpong_microbatches,
@@ -152,6 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(sys.argv[1:] if argv is None else argv)
     if a.command == "up":
         return up(a)
+    if a.command == "certs":
+        try:
+            make_certs(a.dir, a.worker_host, a.attention_host)
+        except FileExistsError as err:
+            print(f"certs: {err}", file=sys.stderr)
+            return 1
+        print(f"wrote {a.dir}: pool A needs {', '.join(security.attention_files())}; pool B needs "
+              f"{', '.join(security.worker_files())}; keep {security.CA_KEY} off both", flush=True)  # fmt: skip
+        return 0
     if not stop_detached(a.run_dir):
         print(f"no detached cluster recorded in {a.run_dir}")
     return 0

@@ -37,6 +37,7 @@ class ClusterSpec:
     run_dir: Path
     worker_threads: int
     worker_metrics_base_port: int
+    tls_dir: Path | None = field(kw_only=True)  # --tls-dir of every node (cluster/certs.py made it); None: --plaintext
     worker_data_base_port: int = 0  # worker i's TCP data plane listens on base + i; 0: each picks a free port
     data_plane: str = "auto"  # how rows travel to the workers (attention_server --data-plane)
     pingpong_microbatches: int | None = None  # attention_server --pingpong-microbatches; None: auto
@@ -78,9 +79,14 @@ class ClusterSpec:
             "--num-threads", str(self.worker_threads),
             "--metrics-port", str(self.worker_metrics_base_port + index),
             "--data-port", str(self.worker_data_base_port and self.worker_data_base_port + index),
+            *self.security_args(),
             *self._replicas_args(),
             *self.worker_args,
         ]  # fmt: skip
+
+    def security_args(self) -> tuple[str, ...]:
+        """--tls-dir DIR or --plaintext, as every node of this cluster gets it."""
+        return ("--tls-dir", str(self.tls_dir)) if self.tls_dir is not None else ("--plaintext",)
 
     def _replicas_args(self) -> tuple[str, ...]:
         return ("--expert-replicas", str(self.expert_replicas)) if self.expert_replicas is not None else ()
@@ -90,6 +96,7 @@ class ClusterSpec:
             sys.executable, "-m", "attention_server",
             "--model", str(self.model),
             "--expert-endpoints", ",".join(self.endpoints),
+            *self.security_args(),
             "--data-plane", self.data_plane,
             "--pingpong-microbatches", "auto" if self.pingpong_microbatches is None else str(self.pingpong_microbatches),
             *self._replicas_args(),

@@ -1,15 +1,20 @@
-"""python -m expert_server --model DIR --worker-index i --num-workers W --port P [--expert-replicas R]
+"""python -m expert_server --model DIR --worker-index i --num-workers W --port P (--tls-dir DIR | --plaintext)
+       [--expert-replicas R]
 
 Loads shard i of every MoE layer (experts [i*E/W, (i+1)*E/W)) and, with R > 1,
 the R-1 shards before it round the ring (protos/placement.py), and serves them
 over gRPC (grpc.aio on uvloop), with the standard health service and reflection.
+With --tls-dir, gRPC and the TCP data plane take only clients holding a certificate of the
+cluster's CA, and every call must carry the cluster token (protos/security.py).
 """
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
+import socket
 
 import grpc
 import torch
@@ -32,15 +37,29 @@ from kernels.formats import FormatMismatch, UnsupportedQuantization
 from kernels.oracle import BackendUnavailable
 from protos.checkpoint import CheckpointError, read_checkpoint
 from protos.placement import Placement, choose_replicas
+from protos.security import Security, SecurityError
 
 logger = logging.getLogger("expert_server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertService"].full_name
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+    except socket.gaierror:
+        return False
+
+
 async def serve(cfg: WorkerConfig) -> None:
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
+    security = Security.load(cfg.tls_dir, "worker")
+    if not security.tls and not is_loopback(cfg.host):
+        logger.warning("!" * 100)
+        logger.warning("PLAINTEXT on %s: anyone who reaches this port can read the routed rows and send work; "
+                       "use --tls-dir (python -m cluster certs DIR) beyond loopback", cfg.host)  # fmt: skip
+        logger.warning("!" * 100)
     if cfg.metrics_port is not None:
         metrics.serve_metrics(cfg.host, cfg.metrics_port)
     metrics.UP.set(0)
@@ -66,9 +85,9 @@ async def serve(cfg: WorkerConfig) -> None:
                        cfg.bench_reply_delay_ms, cfg.bench_reply_delay_us_per_row)  # fmt: skip
     planes = []
     if "tcp" in cfg.data_planes:
-        planes.append(TcpPlane(handler, cfg.host, cfg.data_port))
+        planes.append(TcpPlane(handler, cfg.host, cfg.data_port, security))
     if "shm" in cfg.data_planes:
-        planes.append(ShmPlane(handler))
+        planes.append(ShmPlane(handler, security))
     servicer = ExpertServicer(handler, cfg.worker_index, cfg.num_workers, replicas, [p.advertise() for p in planes])
     metrics.SHARD.info({
         "worker": str(cfg.worker_index),
@@ -78,14 +97,15 @@ async def serve(cfg: WorkerConfig) -> None:
         "weight_format": experts.weight_format,
     })
 
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    unauthenticated = metrics.REQUESTS.labels(grpc.StatusCode.UNAUTHENTICATED.name)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=security.server_interceptors(unauthenticated.inc))
     server.add_generic_rpc_handlers(servicer.rpc_handlers())
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    port = security.add_port(server, f"{cfg.host}:{cfg.port}")
     if port == 0:
         raise SystemExit(f"expert_server: cannot bind {cfg.host}:{cfg.port}")
     await server.start()
@@ -95,8 +115,8 @@ async def serve(cfg: WorkerConfig) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics.UP.set(1)
     logger.info(
-        "worker %d/%d serving experts %s of %s on %s:%d; data planes: gRPC%s",
-        cfg.worker_index, cfg.num_workers, held, ckpt.model_type, cfg.host, port,
+        "worker %d/%d serving experts %s of %s on %s:%d (%s); data planes: gRPC%s",
+        cfg.worker_index, cfg.num_workers, held, ckpt.model_type, cfg.host, port, security.describe(),
         "".join(f", {p.kind}" + (f" port {p.port}" if p.kind == "tcp" else "") for p in planes),
     )
 
@@ -131,7 +151,7 @@ def main() -> None:
         run_as_batch()
     try:
         uvloop.run(serve(cfg))
-    except (BackendUnavailable, UnsupportedQuantization, FormatMismatch, CheckpointError) as err:
+    except (BackendUnavailable, UnsupportedQuantization, FormatMismatch, CheckpointError, SecurityError) as err:
         logger.error("cannot serve: %s", err)
         raise SystemExit(2) from None
 

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from protos import security
 from protos.placement import replicas_flag
 
 WEIGHT_FORMATS = ("checkpoint", "w4a16")
@@ -20,6 +21,7 @@ class WorkerConfig:
     worker_index: int
     num_workers: int
     port: int
+    tls_dir: Path | None  # mutual TLS and the cluster token from here (protos/security.py); None: --plaintext
     expert_replicas: int | None = None  # R: workers holding each shard (protos/placement.py); None: 2 if they fit
     host: str = "127.0.0.1"
     device: str = "cpu"
@@ -43,6 +45,8 @@ class WorkerConfig:
             raise ValueError(f"--worker-index {self.worker_index} is outside [0, {self.num_workers})")
         if self.expert_replicas is not None and not 1 <= self.expert_replicas <= self.num_workers:
             raise ValueError(f"--expert-replicas must be 1 to {self.num_workers} (--num-workers), got {self.expert_replicas}")
+        if self.tls_dir is not None and not self.tls_dir.is_dir():
+            raise ValueError(f"--tls-dir {self.tls_dir} is not a directory")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port {self.port} is not a TCP port")
         if self.weight_format not in WEIGHT_FORMATS:
@@ -71,6 +75,7 @@ class WorkerConfig:
         p.add_argument("--worker-index", type=int, required=True)
         p.add_argument("--num-workers", type=int, required=True)
         p.add_argument("--port", type=int, required=True, help="gRPC port (0 picks a free one)")
+        security.add_flags(p)
         p.add_argument("--expert-replicas", type=replicas_flag, default=None, metavar="R|auto",
                        help="hold R shards (this worker's and the R-1 before it, round the ring) so that every expert "
                             "lives on R workers; auto (default): 2 where two shards fit in memory, else 1. Every "
@@ -97,11 +102,16 @@ class WorkerConfig:
         p.add_argument("--bench-reply-delay-us-per-row", type=float, default=0.0, metavar="US",
                        help="benchmarks only: and US microseconds more per token row in the reply")
         a = p.parse_args(argv)
+        try:
+            tls_dir = security.tls_dir_flag(a.tls_dir, a.plaintext)
+        except security.SecurityError as err:
+            p.error(str(err))
         return cls(
             model=a.model,
             worker_index=a.worker_index,
             num_workers=a.num_workers,
             port=a.port,
+            tls_dir=tls_dir,
             expert_replicas=a.expert_replicas,
             host=a.host,
             device=a.device,

@@ -9,8 +9,8 @@ FORWARD_SECONDS = Histogram(
     "Forward RPC time in the worker: decode, expert compute and encode",
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
 )
-BYTES_RECEIVED = Counter("hetero_moe_worker_bytes_received", "Tensor payload bytes received in Forward requests")
-BYTES_SENT = Counter("hetero_moe_worker_bytes_sent", "Tensor payload bytes sent in Forward responses")
+BYTES_RECEIVED = Counter("hetero_moe_worker_received_bytes", "Tensor payload bytes received in Forward requests")
+BYTES_SENT = Counter("hetero_moe_worker_sent_bytes", "Tensor payload bytes sent in Forward responses")
 ROWS = Counter("hetero_moe_worker_rows", "Token rows computed")
 PAIRS = Counter("hetero_moe_worker_pairs", "(token row, expert) pairs computed")
 UP = Gauge("hetero_moe_worker_up", "1 while the worker serves, 0 while it loads or drains")

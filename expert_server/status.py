@@ -5,11 +5,13 @@ import grpc
 
 from expert_server.experts import RequestError
 from protos import codec, frames
+from protos.security import Unauthenticated
 
 _STATUS = {
     RequestError: grpc.StatusCode.INVALID_ARGUMENT,
     codec.CodecError: grpc.StatusCode.INVALID_ARGUMENT,
     frames.FrameError: grpc.StatusCode.INVALID_ARGUMENT,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
 
 

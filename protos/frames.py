@@ -11,6 +11,9 @@ The TCP, shared-memory and gRPC-stream planes carry the same frames; with protos
     PARTIAL  payload: [rows, hidden] float32; compute_ns: the worker's time in its experts
     ERROR    payload: utf-8 reason; status: the gRPC status code's value
     ECHO     payload: bytes the worker sends back unchanged in an ECHO frame (transport probes)
+    HELLO    payload: the cluster token (protos/security.py; empty in plaintext). A TCP or
+             shared-memory connection opens with one; the worker answers an empty HELLO, or
+             an UNAUTHENTICATED ERROR and closes the connection.
 
 A frame never trusts its header: `Header.unpack` checks magic, version and kind, and
 `payload_size` derives the byte count the shapes imply, which the receiver compares with the
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import socket
+import ssl
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +41,7 @@ GRPC_SERVICE = f"{pb.DESCRIPTOR.package}.FrameStream"
 GRPC_METHOD = f"/{GRPC_SERVICE}/Forward"
 
 MAGIC = 0x454F4D48  # b"HMOE"
-FRAME_VERSION = 1
+FRAME_VERSION = 2  # 2: connections open with a HELLO
 HEADER = struct.Struct("<IHHQIIIIIHHQQ")
 MAX_PAYLOAD_BYTES = 1 << 30
 _PAIR_BYTES = 4 + 4 + 4  # int32 row, int32 expert, float32 weight
@@ -54,6 +58,7 @@ class Kind(enum.IntEnum):
     PARTIAL = 2
     ERROR = 3
     ECHO = 4
+    HELLO = 5
 
 
 _KINDS = {k.value: k for k in Kind}
@@ -98,11 +103,11 @@ class Header(NamedTuple):
         return header
 
     def expected_payload(self) -> int | None:
-        """Payload bytes the shapes imply (None: free-size kinds, ERROR and ECHO)."""
+        """Payload bytes the shapes imply (None: free-size kinds, ERROR, ECHO and HELLO)."""
         if self.kind == Kind.FORWARD:
-            return self.rows * self.hidden * codec.torch_dtype(self.dtype).itemsize + self.pairs * _PAIR_BYTES
+            return forward_payload(self.rows, self.hidden, codec.torch_dtype(self.dtype).itemsize, self.pairs)
         if self.kind == Kind.PARTIAL:
-            return self.rows * self.hidden * 4
+            return partial_payload(self.rows, self.hidden)
         return None
 
     def check_payload(self) -> None:
@@ -127,9 +132,19 @@ class ForwardTensors:
     pair_weights: torch.Tensor
 
 
+def forward_payload(rows: int, width: int, itemsize: int, pairs: int) -> int:
+    """FORWARD payload bytes: `rows` rows of the layer input, then the pair block."""
+    return rows * width * itemsize + pairs * _PAIR_BYTES
+
+
+def partial_payload(rows: int, width: int) -> int:
+    """PARTIAL payload bytes: the float32 [rows, width] partial."""
+    return rows * width * 4
+
+
 def forward_header(request: int, layer: int, slot: int, rows: int, width: int, dtype: torch.dtype,
                    pairs: int) -> Header:  # fmt: skip
-    payload = rows * width * dtype.itemsize + pairs * _PAIR_BYTES
+    payload = forward_payload(rows, width, dtype.itemsize, pairs)
     return Header(Kind.FORWARD, request, layer, slot, rows, width, pairs, codec.wire_dtype(dtype), payload=payload)
 
 
@@ -152,7 +167,7 @@ def reply_offset(request_payload: int) -> int:
 def reply_size(header: Header) -> int:
     """Payload bytes of the reply to a request frame."""
     if header.kind == Kind.FORWARD:
-        return header.rows * header.hidden * 4
+        return partial_payload(header.rows, header.hidden)
     return header.payload if header.kind == Kind.ECHO else 0
 
 
@@ -196,7 +211,7 @@ def read_bytes(payload: memoryview | bytearray) -> torch.Tensor:
 def partial_header(request: int, partial: torch.Tensor, compute_ns: int) -> Header:
     rows, width = partial.shape
     return Header(Kind.PARTIAL, request, rows=rows, hidden=width, dtype=codec.wire_dtype(torch.float32),
-                  payload=rows * width * 4, compute_ns=compute_ns)  # fmt: skip
+                  payload=partial_payload(rows, width), compute_ns=compute_ns)  # fmt: skip
 
 
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
@@ -210,6 +225,10 @@ def status_name(status: int) -> str:
 def error_frame(request: int, status: int, reason: str) -> tuple[Header, bytes]:
     message = reason.encode()[:65536]
     return Header(Kind.ERROR, request, status=status, payload=len(message)), message
+
+
+def hello_frame(token: bytes) -> tuple[Header, bytes]:
+    return Header(Kind.HELLO, 0, payload=len(token)), token
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -234,6 +253,9 @@ def send_frame(sock: socket.socket, header: Header, parts: Sequence[bytes | memo
 def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
     """Buffers back to back, in one sendmsg where the kernel takes them all, else in pieces."""
     buffers = [memoryview(p).cast("B") for p in parts if len(p)]
+    if isinstance(sock, ssl.SSLSocket):  # no sendmsg on TLS; one record, whose encryption copies anyway
+        sock.sendall(b"".join(buffers))
+        return
     sent = sock.sendmsg(buffers)
     for buffer in buffers:
         size = buffer.nbytes

@@ -17,7 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.certs import make_certs
 from cluster.launcher import free_ports, free_worker_ports, stop_pids  # noqa: F401 (tests import them from here)
+from protos.security import Security
 from tiny_models import PROMPTS  # noqa: F401 (tests import it from here)
 
 HOST = "127.0.0.1"
@@ -92,6 +94,12 @@ class Workers:
     metrics_urls: list[str]
     commands: list[list[str]]
     names: list[str]  # each worker's current process in `procs`
+    tls_dir: Path  # their certificates (cluster/certs.py), as a user's --tls-dir
+    security: Security  # the attention node's credentials towards them
+
+    @property
+    def tls_flags(self) -> list[str]:
+        return ["--tls-dir", str(self.tls_dir)]
 
     def process(self, i: int) -> subprocess.Popen:
         return self.procs.procs[self.names[i]]
@@ -108,13 +116,13 @@ class Workers:
             cmd[cmd.index("--model") + 1] = str(model)
         self.names[i] += "+"  # its own log
         proc = self.procs.start(self.names[i], cmd)
-        wait_serving(self.endpoints[i], proc)
+        wait_serving(self.endpoints[i], proc, self.security)
         return proc
 
 
-def wait_serving(endpoint: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+def wait_serving(endpoint: str, proc: subprocess.Popen, security: Security, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(endpoint) as channel:
+    with security.channel(endpoint) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             assert proc.poll() is None, f"worker at {endpoint} exited with {proc.returncode}"
@@ -129,7 +137,10 @@ def wait_serving(endpoint: str, proc: subprocess.Popen, timeout_s: float = 120.0
 def start_workers(procs: Processes, model: Path, num_workers: int, tag: str, extra_args: tuple[str, ...] = (),
                   replicas: int = 1) -> Workers:  # fmt: skip
     """Real expert_server processes on loopback, one per worker index, each with /metrics, every
-    expert on `replicas` of them."""
+    expert on `replicas` of them, with TLS as users run them (certificates of their own, in the log
+    directory)."""
+    tls_dir = make_certs(procs.log_dir / f"{tag}-tls")
+    security = Security.load(tls_dir, "attention")
     ports = free_ports(2 * num_workers)
     ports, metrics_ports = ports[:num_workers], ports[num_workers:]
     endpoints, commands = [], []
@@ -137,13 +148,13 @@ def start_workers(procs: Processes, model: Path, num_workers: int, tag: str, ext
         commands.append(python_module(
             "expert_server", "--model", str(model), "--worker-index", str(i), "--num-workers", str(num_workers),
             "--host", HOST, "--port", str(port), "--metrics-port", str(metrics_ports[i]), "--num-threads", "1",
-            "--expert-replicas", str(replicas), *extra_args))  # fmt: skip
+            "--expert-replicas", str(replicas), "--tls-dir", str(tls_dir), *extra_args))  # fmt: skip
         procs.start(f"{tag}-worker-{i}", commands[-1])
         endpoints.append(f"{HOST}:{port}")
     for i, endpoint in enumerate(endpoints):
-        wait_serving(endpoint, procs.procs[f"{tag}-worker-{i}"])
+        wait_serving(endpoint, procs.procs[f"{tag}-worker-{i}"], security)
     return Workers(endpoints, procs, [f"http://{HOST}:{p}/metrics" for p in metrics_ports], commands,
-                   [f"{tag}-worker-{i}" for i in range(num_workers)])  # fmt: skip
+                   [f"{tag}-worker-{i}" for i in range(num_workers)], tls_dir, security)  # fmt: skip
 
 
 def port_flags(ports: dict[str, int]) -> list[str]:
@@ -235,11 +246,14 @@ def assert_workers_did_the_work(before: ClusterCounters, after: ClusterCounters,
 
     pairs = 0.0
     for w, (w0, w1) in enumerate(zip(before.workers, after.workers)):
-        sent = {what: moved(f"hetero_moe_dispatch_{what}_total", worker=str(w)) for what in ("messages", "rows", "pairs")}
+        sent = {what: moved(f"hetero_moe_dispatch_{what}_total", worker=str(w))
+                for what in ("messages", "rows", "pairs", "sent_bytes", "received_bytes")}  # fmt: skip
         done = {
             "messages": moved("hetero_moe_worker_requests_total", w0, w1, status="OK"),
             "rows": moved("hetero_moe_worker_rows_total", w0, w1),
             "pairs": moved("hetero_moe_worker_pairs_total", w0, w1),
+            "sent_bytes": moved("hetero_moe_worker_received_bytes_total", w0, w1),
+            "received_bytes": moved("hetero_moe_worker_sent_bytes_total", w0, w1),
         }
         assert sent == done and done["messages"] > 0, f"worker {w} computed {done}; the plugin sent {sent}"
         planes = {dict(ls)["plane"] for (n, ls), v in a1.items()
@@ -249,6 +263,8 @@ def assert_workers_did_the_work(before: ClusterCounters, after: ClusterCounters,
         assert info == {kernel_backend}, f"worker {w} runs {info}, expected {kernel_backend!r}"
         pairs += done["pairs"]
     assert pairs == top_k * computed * len(moe_layers), f"{pairs} pairs for {computed} tokens x {len(moe_layers)} layers"
+    routed_pairs = {l: moved("hetero_moe_route_pairs_total", layer=str(l)) for l in moe_layers}
+    assert set(routed_pairs.values()) == {top_k * computed}, f"pairs per layer {routed_pairs}"
     return (f"{computed:.0f} tokens x {len(moe_layers)} MoE layers routed, {pairs:.0f} pairs computed by "
             f"{len(after.workers)} workers on {kernel_backend!r}, as the plugin sent them over {plane}")
 

@@ -36,7 +36,7 @@ TIE_MARGIN = 1e-3  # float32, as the parity tests: a token may differ only where
 def start_attention(processes, name: str, model, workers, *args: str) -> tuple[str, OpenAI, str]:
     (http,) = free_ports(1)
     attention = processes.start(name, python_module(
-        "attention_server", "--model", str(model), "--expert-endpoints", ",".join(workers.endpoints),
+        "attention_server", "--model", str(model), "--expert-endpoints", ",".join(workers.endpoints), *workers.tls_flags,
         "--host", HOST, "--port", str(http), *VLLM_CPU_ARGS, "--enforce-eager", *args))  # fmt: skip
     base_url = f"http://{HOST}:{http}"
     wait_http_ready(base_url, [attention], timeout_s=900)
@@ -116,7 +116,7 @@ def test_killed_workers_fail_over_to_replicas_under_streaming_load(model_dir, pr
     assert total(samples, "hetero_moe_transport_failovers_total") > 0
     failed_over = total(samples, "hetero_moe_transport_failovers_total")
 
-    assert total(samples, "hetero_moe_transport_worker_failures_total", worker="1", cause="deadline") == 1
+    assert total(samples, "hetero_moe_transport_errors_total", worker="1", cause="deadline") == 1
 
     for victim in (3, 6):
         workers.restart(victim)

@@ -11,7 +11,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM
 
 from tests.support import scrape, start_workers, total
-from protos import PROTOCOL_VERSION, GRPC_OPTIONS, codec
+from protos import PROTOCOL_VERSION, codec
 from protos import expert_pb2 as pb
 from protos import expert_pb2_grpc as pb_grpc
 from protos.checkpoint import read_checkpoint
@@ -27,7 +27,7 @@ def served(request, model_dir, processes):
     arch = request.param
     model = model_dir(arch)
     workers = start_workers(processes, model, NUM_WORKERS, tag=f"es-{arch}")
-    channels = [grpc.insecure_channel(e, options=GRPC_OPTIONS) for e in workers.endpoints]
+    channels = [workers.security.channel(e) for e in workers.endpoints]
     yield arch, read_checkpoint(model), workers, [pb_grpc.ExpertServiceStub(c) for c in channels]
     for c in channels:
         c.close()
@@ -146,7 +146,7 @@ def test_garbage_activations_like_vllm_profiling_are_accepted(served):
 
 def test_health_and_reflection(served):
     _, _, workers, _ = served
-    with grpc.insecure_channel(workers.endpoints[0]) as channel:
+    with workers.security.channel(workers.endpoints[0]) as channel:
         for service in ("", "hetero_moe.expert.v2.ExpertService"):
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert status.status == health_pb2.HealthCheckResponse.SERVING

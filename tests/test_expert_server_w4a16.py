@@ -11,7 +11,7 @@ from tests.support import python_module, start_workers
 from expert_server.weights import load_shard
 from kernels.formats import SafetensorsDir
 from kernels.reference import DenseExpertWeights, moe_experts_reference
-from protos import GRPC_OPTIONS, codec
+from protos import codec
 from protos import expert_pb2 as pb
 from protos import expert_pb2_grpc as pb_grpc
 from protos.checkpoint import read_checkpoint
@@ -28,7 +28,7 @@ NUM_WORKERS = 2
 def quantized(model_dir, processes):
     model = model_dir("qwen3_moe")
     workers = start_workers(processes, model, NUM_WORKERS, tag="w4a16", extra_args=("--weight-format", "w4a16", "--group-size", str(GROUP)))
-    channels = [grpc.insecure_channel(e, options=GRPC_OPTIONS) for e in workers.endpoints]
+    channels = [workers.security.channel(e) for e in workers.endpoints]
     yield read_checkpoint(model), [pb_grpc.ExpertServiceStub(c) for c in channels]
     for c in channels:
         c.close()
@@ -71,7 +71,7 @@ def test_w4a16_partials_match_experts_quantized_by_compressed_tensors(quantized)
 
 def test_forcing_a_backend_that_cannot_run_stops_the_worker_with_the_reason(model_dir):
     cmd = python_module("expert_server", "--model", str(model_dir("qwen3_moe")), "--worker-index", "0",
-                        "--num-workers", "2", "--port", "0", "--weight-format", "w4a16", "--group-size", "32",
+                        "--num-workers", "2", "--port", "0", "--plaintext", "--weight-format", "w4a16", "--group-size", "32",
                         "--kernel-backend", "triton")  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2

@@ -58,7 +58,7 @@ def layer_outputs(transport: ExpertTransport, ckpt, steps: int = 3) -> list[torc
 def connect(workers, ckpt, plane: str = "auto", replicas: int = 2, timeout_s: float = 30,
             loss_timeout_s: float = 30) -> ExpertTransport:  # fmt: skip
     cfg = AttentionConfig(tuple(workers.endpoints), timeout_s, plane, expert_replicas=replicas,
-                          worker_loss_timeout_s=loss_timeout_s)  # fmt: skip
+                          worker_loss_timeout_s=loss_timeout_s, tls_dir=workers.tls_dir)  # fmt: skip
     return factory.connect_workers(cfg, ckpt)
 
 
@@ -135,7 +135,7 @@ def test_a_hung_worker_costs_one_adaptive_deadline_then_its_replica_answers(mode
         assert_same(got, want)
         assert sorted(transport.down) == [2] and "DEADLINE: no answer within 1 s" in str(transport.down[2])
         assert stalled < 3.0, f"one 1 s deadline, not the 30 s timeout nor one per request: stalled {stalled:.1f} s"
-        assert metric("hetero_moe_transport_worker_failures_total", worker="2", cause="deadline") == 1
+        assert metric("hetero_moe_transport_errors_total", worker="2", cause="deadline") == 1
         os.kill(hung, signal.SIGCONT)
         wait_until(lambda: not transport.down, 30, "the resumed worker rejoins")
         assert metric("hetero_moe_transport_deadline_seconds", worker="2") == 30, "a rejoined worker starts afresh"

@@ -20,9 +20,9 @@ def qwen3_workers(model_dir, processes):
     return start_workers(processes, model_dir("qwen3_moe"), NUM_WORKERS, tag="hs-qwen3")
 
 
-def attention_server(model, endpoints: list[str]) -> subprocess.CompletedProcess:
+def attention_server(model, endpoints: list[str], tls_dir: Path) -> subprocess.CompletedProcess:
     cmd = python_module("attention_server", "--model", str(model), "--expert-endpoints", ",".join(endpoints),
-                        "--worker-ready-timeout", "10", "--port", "1")  # fmt: skip
+                        "--tls-dir", str(tls_dir), "--worker-ready-timeout", "10", "--port", "1")  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
@@ -46,12 +46,12 @@ def edited_copy(model: Path, out: Path, **config) -> Path:
 
 def test_refuses_workers_of_another_checkpoint(model_dir, qwen3_workers):
     other = model_dir("qwen3_moe", seed=1)  # same architecture and shapes, other weights
-    assert_refused(attention_server(other, qwen3_workers.endpoints), "model fingerprint: worker has")
+    assert_refused(attention_server(other, qwen3_workers.endpoints, qwen3_workers.tls_dir), "model fingerprint: worker has")
 
 
 def test_refuses_workers_of_another_architecture(model_dir, qwen3_workers):
     assert_refused(
-        attention_server(model_dir("mixtral"), qwen3_workers.endpoints),
+        attention_server(model_dir("mixtral"), qwen3_workers.endpoints, qwen3_workers.tls_dir),
         "model type: worker has qwen3_moe, expected mixtral",
         "number of experts: worker has 16, expected 8",
     )
@@ -59,13 +59,13 @@ def test_refuses_workers_of_another_architecture(model_dir, qwen3_workers):
 
 def test_refuses_another_hidden_size(model_dir, qwen3_workers, tmp_path):
     wider = edited_copy(model_dir("qwen3_moe"), tmp_path / "wider", hidden_size=256)
-    assert_refused(attention_server(wider, qwen3_workers.endpoints), "hidden size: worker has 128, expected 256")
+    assert_refused(attention_server(wider, qwen3_workers.endpoints, qwen3_workers.tls_dir), "hidden size: worker has 128, expected 256")
 
 
 def test_refuses_another_activation_dtype(model_dir, qwen3_workers, tmp_path):
     fp16 = edited_copy(model_dir("qwen3_moe"), tmp_path / "fp16", dtype="float16", torch_dtype="float16")
     assert_refused(
-        attention_server(fp16, qwen3_workers.endpoints), "activation dtype: worker has BFLOAT16, expected torch.float16"
+        attention_server(fp16, qwen3_workers.endpoints, qwen3_workers.tls_dir), "activation dtype: worker has BFLOAT16, expected torch.float16"
     )
 
 
@@ -78,9 +78,10 @@ def test_refuses_a_worker_of_another_protocol_version(model_dir, qwen3_workers, 
     procs = Processes(tmp_path)
     try:
         proc = procs.start("future", [sys.executable, "-c", future, "--model", str(model), "--worker-index", "3",
-                                      "--num-workers", str(NUM_WORKERS), "--host", HOST, "--port", str(port)])  # fmt: skip
-        wait_serving(f"{HOST}:{port}", proc)
-        result = attention_server(model, [*qwen3_workers.endpoints[:3], f"{HOST}:{port}"])
+                                      "--num-workers", str(NUM_WORKERS), "--host", HOST, "--port", str(port),
+                                      *qwen3_workers.tls_flags])  # fmt: skip
+        wait_serving(f"{HOST}:{port}", proc, qwen3_workers.security)
+        result = attention_server(model, [*qwen3_workers.endpoints[:3], f"{HOST}:{port}"], qwen3_workers.tls_dir)
     finally:
         procs.stop()
     assert_refused(result, f"worker 3 at {HOST}:{port}: protocol version: worker has {PROTOCOL_VERSION + 1}, expected {PROTOCOL_VERSION}")
@@ -89,7 +90,7 @@ def test_refuses_a_worker_of_another_protocol_version(model_dir, qwen3_workers, 
 def test_refuses_swapped_shards(model_dir, qwen3_workers):
     e = qwen3_workers.endpoints
     assert_refused(
-        attention_server(model_dir("qwen3_moe"), [e[1], e[0], *e[2:]]),
+        attention_server(model_dir("qwen3_moe"), [e[1], e[0], *e[2:]], qwen3_workers.tls_dir),
         f"worker 0 at {e[1]}: worker index: worker has 1, expected 0",
         f"worker 0 at {e[1]}: expert ranges: worker has [(4, 8)], expected [(0, 4)]",
     )
@@ -97,13 +98,13 @@ def test_refuses_swapped_shards(model_dir, qwen3_workers):
 
 def test_refuses_a_different_worker_count(model_dir, qwen3_workers):
     assert_refused(
-        attention_server(model_dir("qwen3_moe"), qwen3_workers.endpoints[:2]), "number of workers: worker has 4, expected 2"
+        attention_server(model_dir("qwen3_moe"), qwen3_workers.endpoints[:2], qwen3_workers.tls_dir), "number of workers: worker has 4, expected 2"
     )
 
 
 def test_refuses_an_unreachable_worker(model_dir, qwen3_workers):
     (dead,) = free_ports(1)
     assert_refused(
-        attention_server(model_dir("qwen3_moe"), [*qwen3_workers.endpoints[:3], f"127.0.0.1:{dead}"]),
+        attention_server(model_dir("qwen3_moe"), [*qwen3_workers.endpoints[:3], f"127.0.0.1:{dead}"], qwen3_workers.tls_dir),
         f"worker 3 at 127.0.0.1:{dead}: not reachable within 10 s",
     )

@@ -25,7 +25,7 @@ def test_the_vllm_internals_pingpong_uses_are_where_it_expects_them():
 @pytest.mark.parametrize("m", [0, 5])
 def test_microbatches_outside_one_to_four_are_refused(m):
     with pytest.raises(ValueError, match="ping-pong micro-batches must be 1 to 4"):
-        AttentionConfig(("127.0.0.1:1",), pingpong_microbatches=m)
+        AttentionConfig(("127.0.0.1:1",), pingpong_microbatches=m, tls_dir=None)
 
 
 def test_microbatches_flag_takes_a_count_or_auto():
@@ -36,7 +36,7 @@ def test_microbatches_flag_takes_a_count_or_auto():
     assert microbatches_flag("3") == 3 and microbatches_flag("auto") is None
     with pytest.raises(argparse.ArgumentTypeError, match="expected a number of micro-batches or auto, got 'two'"):
         microbatches_flag("two")
-    assert AttentionConfig(("127.0.0.1:1",)).pingpong_microbatches is None, "auto is the default"
+    assert AttentionConfig(("127.0.0.1:1",), tls_dir=None).pingpong_microbatches is None, "auto is the default"
 
 
 def test_pingpong_without_workers_is_an_error_not_stock_vllm():

@@ -13,7 +13,7 @@ import pytest
 
 from cluster.launcher import wait_http_ready
 from protos.checkpoint import read_checkpoint
-from tests.support import HOST, VLLM_CPU_ARGS, free_ports, generate, python_module, scrape, start_workers, total
+from tests.support import HOST, VLLM_CPU_ARGS, Workers, free_ports, generate, python_module, scrape, start_workers, total
 
 pytestmark = pytest.mark.vllm
 
@@ -21,10 +21,11 @@ PROBE = Path(__file__).with_name("vllm_probe.py")
 NUM_WORKERS = 8
 
 
-def probe(model: Path, endpoints: list[str] | None) -> dict:
+def probe(model: Path, workers: Workers | None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")}
-    if endpoints:
-        env["HETERO_MOE_EXPERT_ENDPOINTS"] = ",".join(endpoints)
+    if workers:
+        env["HETERO_MOE_EXPERT_ENDPOINTS"] = ",".join(workers.endpoints)
+        env["HETERO_MOE_TLS_DIR"] = str(workers.tls_dir)
     result = subprocess.run([sys.executable, str(PROBE), str(model)], capture_output=True, text=True, env=env, timeout=900)
     line = next((ln for ln in result.stdout.splitlines() if ln.startswith("PROBE ")), None)
     assert result.returncode == 0 and line, result.stdout[-3000:] + result.stderr[-5000:]
@@ -66,7 +67,7 @@ def test_plugin_off_is_stock_vllm(stock, routed_tensor_names):
 def test_plugin_on_holds_and_reads_no_routed_expert(qwen2, stock, routed_tensor_names, processes):
     workers = start_workers(processes, qwen2, NUM_WORKERS, tag="plugin-qwen2")
     before = [scrape(url) for url in workers.metrics_urls]
-    on = probe(qwen2, workers.endpoints)
+    on = probe(qwen2, workers)
     after = [scrape(url) for url in workers.metrics_urls]
 
     assert on["routed_classes"] == ["attention_server.routed_experts.RemoteRoutedExperts"]

@@ -15,6 +15,7 @@ from attention_server.partition import DispatchPlan, partition
 from kernels.reference import DenseExpertWeights, moe_experts_reference
 from protos import frames
 from protos.placement import Placement
+from protos.security import Security
 from tests.support import HOST
 
 T, H, I, E, K, W = 37, 32, 16, 16, 4, 8
@@ -45,6 +46,8 @@ def test_partition_sends_each_pair_to_its_owner_once():
     assert sorted(seen) == sorted((t, e) for t in range(T) for e in ids[t].tolist())
     shards = [s.shard for s in plan.slices]
     assert all(a < b for a, b in zip(shards, shards[1:])), f"one slice per shard, ascending: {shards}"
+    # The per-expert load the metrics publish: what torch counts in the routing itself.
+    assert plan.expert_pairs.tolist() == torch.bincount(ids.flatten().long(), minlength=E).tolist()
 
 
 def test_idle_workers_get_no_slice():
@@ -118,7 +121,7 @@ def test_answers_arriving_in_reverse_order_are_combined_in_worker_order():
         port = server.add_insecure_port(f"{HOST}:0")
         server.start()
         servers.append(server)
-        channels.append(GrpcStreamChannel(w, f"{HOST}:{port}", timeout_s=30))
+        channels.append(GrpcStreamChannel(w, f"{HOST}:{port}", timeout_s=30, security=Security.load(None, "attention")))
     transport = ExpertTransport(channels, Placement(3, 3))
     try:
         ids = torch.tensor([[0, 1, 2]], dtype=torch.int32)  # one token, one expert on each of workers 0, 1, 2
@@ -131,6 +134,6 @@ def test_answers_arriving_in_reverse_order_are_combined_in_worker_order():
         for s in servers:
             s.stop(None)
     assert answered == [2, 1, 0], "the answers did arrive in reverse"
-    arrival_order = combine(DispatchPlan(1, plan.slices[::-1]), partials[::-1], H, torch.float32)
+    arrival_order = combine(DispatchPlan(1, plan.slices[::-1], plan.expert_pairs), partials[::-1], H, torch.float32)
     assert torch.equal(arrival_order, torch.ones(1, H)), "these partials do make the order visible"
     assert torch.equal(out, torch.zeros(1, H))

@@ -21,7 +21,7 @@ from attention_server.handshake import fetch_info
 from attention_server.partition import partition
 from attention_server.transport.base import Cause, ExpertTransport, ExpertWorkerError
 from attention_server.transport.factory import PlaneUnavailable, open_channel
-from protos import GRPC_OPTIONS, PROTOCOL_VERSION, codec, frames
+from protos import PROTOCOL_VERSION, codec, frames
 from protos import expert_pb2 as pb
 from protos import expert_pb2_grpc as pb_grpc
 from protos.checkpoint import read_checkpoint
@@ -46,12 +46,12 @@ def workers(model, processes):
 
 @pytest.fixture(scope="module")
 def infos(workers):
-    return [fetch_info(w, e, 10) for w, e in enumerate(workers.endpoints)]
+    return [fetch_info(w, e, 10, workers.security) for w, e in enumerate(workers.endpoints)]
 
 
 def transport_for(workers, infos, plane: str, timeout_s: float = 30) -> ExpertTransport:
     """One replica per shard, and a lost worker fails the layer at once (failover: test_failover.py)."""
-    return ExpertTransport([open_channel(w, e, info, plane, timeout_s)
+    return ExpertTransport([open_channel(w, e, info, plane, timeout_s, workers.security)
                             for w, (e, info) in enumerate(zip(workers.endpoints, infos))],
                            Placement(infos[0].num_experts, len(infos)), loss_timeout_s=0)  # fmt: skip
 
@@ -67,7 +67,7 @@ def unary_partials(workers, layer, x, plan) -> list[torch.Tensor]:
     """The same work through the unary protobuf Forward: the reference every plane must equal."""
     partials = []
     for part in plan.slices:
-        with grpc.insecure_channel(workers.endpoints[part.shard], options=GRPC_OPTIONS) as channel:
+        with workers.security.channel(workers.endpoints[part.shard]) as channel:
             request = request_for(layer, x[part.rows], part.pair_rows, part.pair_experts, part.pair_weights)
             partials.append(codec.decode(pb_grpc.ExpertServiceStub(channel).Forward(request, timeout=30).partial))
     return partials
@@ -140,13 +140,13 @@ def test_a_bad_request_is_refused_by_name_and_the_plane_keeps_serving(model, wor
 def test_a_frame_that_is_not_one_is_refused_with_a_reason(workers, infos):
     """Garbage on the TCP plane and over the gRPC frame stream: INVALID_ARGUMENT naming the problem."""
     tcp_port = next(p.port for p in infos[0].data_planes if p.kind == "tcp")
-    with socket.create_connection((HOST, tcp_port), timeout=10) as sock:
+    with workers.security.wrap_client(socket.create_connection((HOST, tcp_port), timeout=10), HOST) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\n" + bytes(frames.HEADER.size))
         header, payload = frames.recv_frame(sock, frames.ReceiveBuffer())
     assert header.kind == frames.Kind.ERROR and frames.status_name(header.status) == "INVALID_ARGUMENT"
     assert "not a hetero-moe frame" in bytes(payload).decode()
 
-    with grpc.insecure_channel(workers.endpoints[0], options=GRPC_OPTIONS) as channel:
+    with workers.security.channel(workers.endpoints[0]) as channel:
         call = channel.stream_stream(frames.GRPC_METHOD)
         (reply,) = list(call(iter([frames.Header(frames.Kind.FORWARD, 1, rows=1, hidden=4, dtype=99, payload=8).pack()
                                    + bytes(8)]), timeout=10))  # fmt: skip
@@ -155,7 +155,7 @@ def test_a_frame_that_is_not_one_is_refused_with_a_reason(workers, infos):
 
 
 def test_unary_forward_that_does_not_parse_is_invalid_argument(workers):
-    with grpc.insecure_channel(workers.endpoints[0], options=GRPC_OPTIONS) as channel:
+    with workers.security.channel(workers.endpoints[0]) as channel:
         forward = channel.unary_unary("/hetero_moe.expert.v2.ExpertService/Forward")  # raw bytes
         with pytest.raises(grpc.RpcError) as err:
             forward(b"\xff\xff\xff not protobuf", timeout=10)
@@ -172,14 +172,14 @@ def test_auto_picks_shared_memory_here_and_falls_back_without_it(workers, infos)
     other_host.CopyFrom(infos[0])
     for p in other_host.data_planes:
         p.host_id = "another-host"
-    assert open_channel(0, workers.endpoints[0], infos[0], "auto", 10).plane == "shm"
-    assert open_channel(0, workers.endpoints[0], other_host, "auto", 10).plane == "tcp"
-    assert open_channel(0, workers.endpoints[0], tcp_only, "auto", 10).plane == "tcp"
-    assert open_channel(0, workers.endpoints[0], pb.InfoResponse(), "auto", 10).plane == "grpc"
+    assert open_channel(0, workers.endpoints[0], infos[0], "auto", 10, workers.security).plane == "shm"
+    assert open_channel(0, workers.endpoints[0], other_host, "auto", 10, workers.security).plane == "tcp"
+    assert open_channel(0, workers.endpoints[0], tcp_only, "auto", 10, workers.security).plane == "tcp"
+    assert open_channel(0, workers.endpoints[0], pb.InfoResponse(), "auto", 10, workers.security).plane == "grpc"
     with pytest.raises(PlaneUnavailable, match="offers no shared memory"):
-        open_channel(0, workers.endpoints[0], other_host, "shm", 10)
+        open_channel(0, workers.endpoints[0], other_host, "shm", 10, workers.security)
     with pytest.raises(PlaneUnavailable, match="offers no TCP data plane"):
-        open_channel(0, workers.endpoints[0], pb.InfoResponse(), "tcp", 10)
+        open_channel(0, workers.endpoints[0], pb.InfoResponse(), "tcp", 10, workers.security)
 
 
 def stop(pid: int, timeout_s: float = 10) -> None:
@@ -215,7 +215,7 @@ def test_a_killed_worker_is_a_named_error_not_a_hang(model, plane, tmp_path):
     procs = Processes(tmp_path)
     try:
         workers = start_workers(procs, model, NUM_WORKERS, tag=f"kill-{plane}")
-        infos = [fetch_info(w, e, 10) for w, e in enumerate(workers.endpoints)]
+        infos = [fetch_info(w, e, 10, workers.security) for w, e in enumerate(workers.endpoints)]
         transport = transport_for(workers, infos, plane)
         x, plan = routing(ckpt, 64, seed=5)
         transport.send(ckpt.moe_layers[0], 0, x, plan)  # connects and maps the segments
@@ -248,8 +248,11 @@ import sys, time, numpy, torch
 from attention_server.handshake import fetch_info
 from attention_server.partition import partition
 from attention_server.transport.factory import open_channel
-info = fetch_info(0, sys.argv[1], 10)
-channel = open_channel(0, sys.argv[1], info, "shm", 10)
+from pathlib import Path
+from protos.security import Security
+security = Security.load(Path(sys.argv[2]), "attention")
+info = fetch_info(0, sys.argv[1], 10, security)
+channel = open_channel(0, sys.argv[1], info, "shm", 10, security)
 x = torch.zeros(3, info.hidden_size, dtype=torch.bfloat16)
 plan = partition(torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, 1), numpy.zeros(info.num_experts, dtype=numpy.int64))
 channel.receive(channel.send(info.moe_layers[0], 0, x, plan.slices[0]))
@@ -258,7 +261,7 @@ time.sleep(600)
 """
     worker_pid = workers.procs.procs["transport-worker-0"].pid
     before = len(memfd_mappings(worker_pid))
-    proc = subprocess.Popen([sys.executable, "-c", client, workers.endpoints[0]], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", client, workers.endpoints[0], str(workers.tls_dir)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "sent"
         assert len(memfd_mappings(worker_pid)) == before + 1, "the worker mapped the client's segment"
@@ -278,7 +281,7 @@ def test_a_stopped_worker_costs_one_deadline(model, workers, infos, plane, tmp_p
     procs = Processes(tmp_path)
     try:
         stopped = start_workers(procs, model, NUM_WORKERS, tag=f"stop-{plane}")
-        stopped_infos = [fetch_info(w, e, 10) for w, e in enumerate(stopped.endpoints)]
+        stopped_infos = [fetch_info(w, e, 10, stopped.security) for w, e in enumerate(stopped.endpoints)]
         transport = transport_for(stopped, stopped_infos, plane, timeout_s=1.0)
         x, plan = routing(ckpt, 8, seed=6)
         stop(procs.procs[f"stop-{plane}-worker-0"].pid)
@@ -294,7 +297,7 @@ def test_a_stopped_worker_costs_one_deadline(model, workers, infos, plane, tmp_p
 
 
 def test_probe_measures_every_plane_it_can_reach(workers):
-    result = subprocess.run([sys.executable, "-m", "attention_server.probe", ",".join(workers.endpoints), "--json",
+    result = subprocess.run([sys.executable, "-m", "attention_server.probe", ",".join(workers.endpoints), *workers.tls_flags, "--json",
                              "--iterations", "20"], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)
@@ -307,7 +310,7 @@ def test_probe_measures_every_plane_it_can_reach(workers):
 
 
 def test_probe_names_an_unreachable_worker():
-    result = subprocess.run([sys.executable, "-m", "attention_server.probe", "127.0.0.1:1", "--timeout", "2"],
+    result = subprocess.run([sys.executable, "-m", "attention_server.probe", "127.0.0.1:1", "--plaintext", "--timeout", "2"],
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 2 and "worker 0 at 127.0.0.1:1: not reachable within 2 s" in result.stderr
 
@@ -318,7 +321,7 @@ def test_the_benchmark_reply_delay_is_for_benchmarks_only_and_changes_no_answer(
     benchmark switch is set, reported on /metrics, and the answers that come late are the same."""
     env = {k: v for k, v in os.environ.items() if k != BENCHMARK_ENV}
     refused = subprocess.run(python_module("expert_server", "--model", str(model), "--worker-index", "0",
-                                           "--num-workers", str(NUM_WORKERS), "--port", "0", "--bench-reply-delay-ms", "5"),
+                                           "--num-workers", str(NUM_WORKERS), "--port", "0", "--plaintext", "--bench-reply-delay-ms", "5"),
                              env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert refused.returncode != 0 and f"benchmarks only ({BENCHMARK_ENV}=1)" in refused.stderr
     monkeypatch.setenv(BENCHMARK_ENV, "1")
@@ -329,7 +332,7 @@ def test_the_benchmark_reply_delay_is_for_benchmarks_only_and_changes_no_answer(
     assert total(reported, "hetero_moe_worker_bench_reply_delay_seconds", part="per_row") == 1e-5
     ckpt = read_checkpoint(model)
     layer = ckpt.moe_layers[0]
-    delayed_infos = [fetch_info(w, e, 10) for w, e in enumerate(delayed.endpoints)]
+    delayed_infos = [fetch_info(w, e, 10, delayed.security) for w, e in enumerate(delayed.endpoints)]
     for plane in ("shm", "tcp"):
         transport = transport_for(delayed, delayed_infos, plane)
         try:

@@ -16,6 +16,7 @@ import enum
 import itertools
 import logging
 import socket
+import ssl
 import struct
 import time
 from abc import ABC, abstractmethod
@@ -35,10 +36,20 @@ from protos.placement import Placement
 logger = logging.getLogger(__name__)
 
 
+# What a send or receive past its kernel deadline raises (a TLS socket: its want-read/write errors).
+TIMED_OUT = (TimeoutError, BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
 def kernel_deadlines(sock: socket.socket, send_s: float, receive_s: float) -> None:
     """Keep `sock` blocking (Python's own timeouts make it non-blocking with a poll before every
     call: twice the system calls, and a receive loop per chunk) and let the kernel bound each send
-    and receive instead: one that waits longer raises BlockingIOError."""
+    and receive instead: one that waits longer raises BlockingIOError.
+
+    Not on TLS: Python's ssl module retries a blocking read that the kernel timed out, forever;
+    there Python's own timeout, `receive_s` for both directions, raises TimeoutError."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(receive_s)
+        return
     sock.settimeout(None)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send_s))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(receive_s))
@@ -53,6 +64,7 @@ class Cause(enum.Enum):
     UNAVAILABLE = "unavailable"  # unreachable, connection refused, reset or closed
     DEADLINE = "deadline"  # no answer within the request timeout
     REFUSED = "refused"  # the worker answered with an error status
+    UNAUTHENTICATED = "unauthenticated"  # the worker refused this node's certificate or token
 
 
 class ExpertWorkerError(RuntimeError):
@@ -114,6 +126,8 @@ class Channel(ABC):
     def close(self) -> None: ...
 
     def error(self, cause: Cause, details: str, status: str | None = None) -> ExpertWorkerError:
+        if cause is Cause.REFUSED:  # the other causes are counted when the worker is marked down
+            metrics.TRANSPORT_ERRORS.labels(str(self.worker), cause.value).inc()
         return ExpertWorkerError(self.worker, self.endpoint, cause, details, status)
 
 
@@ -130,7 +144,7 @@ class OrderedChannel(Channel):
     def set_deadline(self, seconds: float) -> None:
         super().set_deadline(seconds)
         if self.sock is not None:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+            kernel_deadlines(self.sock, self.timeout_s, seconds)
 
     @abstractmethod
     def read_reply(self) -> tuple[int, Answer | ExpertWorkerError]:
@@ -148,7 +162,7 @@ class OrderedChannel(Channel):
 
     def receive_failed(self, err: Exception) -> ExpertWorkerError:
         """The error a failed read of a reply becomes; the connection is dropped either way."""
-        if isinstance(err, (TimeoutError, BlockingIOError)):  # the kernel's receive deadline
+        if isinstance(err, TIMED_OUT):  # the kernel's receive deadline
             return self.lost(f"no answer within {self.deadline_s:.3g} s", Cause.DEADLINE)
         if isinstance(err, (FrameError, CodecError)):
             return self.lost(f"unreadable reply: {err}", Cause.REFUSED)
@@ -270,6 +284,7 @@ class ExpertTransport:
         self.down: dict[int, ExpertWorkerError] = {}  # worker -> why it went down
         self.closed = False
         self.deadlines = Deadlines(len(channels))
+        self.round_trips = [metrics.ROUND_TRIP.labels(str(w)) for w in range(len(channels))]
         for channel in channels:
             self.deadlines.reset(channel)
         self.in_flight: dict[tuple[int, int], Pending] = {}
@@ -294,7 +309,9 @@ class ExpertTransport:
         for i, call in enumerate(pending.calls):  # every reply is read before anything is re-sent
             try:
                 answers.append(call.channel.receive(call.request))
-                self.deadlines.observe(call.channel, time.perf_counter() - call.sent_at)
+                round_trip = time.perf_counter() - call.sent_at
+                self.deadlines.observe(call.channel, round_trip)
+                self.round_trips[call.worker].observe(round_trip)
             except ExpertWorkerError as err:
                 answers.append(None)
                 if err.cause is Cause.REFUSED:
@@ -385,7 +402,7 @@ class ExpertTransport:
         self.down[call.worker] = err.without_traceback()
         call.channel.close()
         metrics.WORKER_UP.labels(str(call.worker)).set(0)
-        metrics.WORKER_FAILURES.labels(str(call.worker), err.cause.value).inc()
+        metrics.TRANSPORT_ERRORS.labels(str(call.worker), err.cause.value).inc()
         logger.warning("expert worker %d is down, its experts go to their other replicas: %s", call.worker, err)
         if self.on_down is not None:
             self.on_down(call.worker)

@@ -16,8 +16,11 @@ import uvloop
 
 from attention_server.partition import ShardSlice
 from attention_server.transport.base import Answer, Cause, Channel
-from protos import GRPC_OPTIONS, codec, frames
+from protos import codec, frames
 from protos.frames import HEADER, FrameError, Header, Kind
+from protos.security import Security
+
+_CAUSES = {grpc.StatusCode.DEADLINE_EXCEEDED: Cause.DEADLINE, grpc.StatusCode.UNAUTHENTICATED: Cause.UNAUTHENTICATED}
 
 _LOOP: asyncio.AbstractEventLoop | None = None
 _LOOP_LOCK = threading.Lock()
@@ -36,8 +39,9 @@ def event_loop() -> asyncio.AbstractEventLoop:
 class GrpcStreamChannel(Channel):
     plane = "grpc"
 
-    def __init__(self, worker: int, endpoint: str, timeout_s: float):
+    def __init__(self, worker: int, endpoint: str, timeout_s: float, security: Security):
         super().__init__(worker, endpoint, timeout_s)
+        self.security = security
         self.loop = event_loop()
         self.replies: dict[int, concurrent.futures.Future] = {}
         self.outbox: asyncio.Queue | None = None  # frames for the writer task; None until connected
@@ -61,7 +65,7 @@ class GrpcStreamChannel(Channel):
 
     async def _run(self, outbox: asyncio.Queue) -> None:
         """One stream: write queued frames, resolve replies as they come."""
-        channel = grpc.aio.insecure_channel(self.endpoint, options=GRPC_OPTIONS)
+        channel = self.security.aio_channel(self.endpoint)
         call = channel.stream_stream(frames.GRPC_METHOD)()  # no (de)serializers: raw bytes
 
         async def write() -> None:
@@ -74,7 +78,7 @@ class GrpcStreamChannel(Channel):
                 self._resolve(message)
             self._fail(Cause.UNAVAILABLE, "the worker ended the stream")
         except grpc.aio.AioRpcError as err:
-            cause = Cause.DEADLINE if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED else Cause.UNAVAILABLE
+            cause = _CAUSES.get(err.code(), Cause.UNAVAILABLE)
             self._fail(cause, f"{err.code().name}: {err.details()}")
         except (FrameError, codec.CodecError) as err:
             self._fail(Cause.REFUSED, f"unreadable reply: {err}")

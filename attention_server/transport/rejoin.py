@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attention_server.handshake import WorkerMismatchError, fetch_info
 from attention_server.transport.base import Channel, ExpertTransport, ExpertWorkerError
-from protos import GRPC_OPTIONS
 from protos import expert_pb2 as pb
+from protos.security import Security
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +31,14 @@ class Rejoiner:
         endpoints: tuple[str, ...],
         differences: Callable[[int, pb.InfoResponse], list[str]],
         open_channel: Callable[[int, pb.InfoResponse], Channel],
+        security: Security,
         interval_s: float = 0.5,
         timeout_s: float = 2.0,
     ):
         self.endpoints = endpoints
         self.differences = differences  # what a worker's Info lacks to serve its shards, [] when it matches
         self.open_channel = open_channel
+        self.security = security
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.transport: ExpertTransport | None = None  # set once the transport exists
         self._watching: set[int] = set()
@@ -65,7 +67,7 @@ class Rejoiner:
 
     def _try(self, worker: int) -> bool:
         endpoint = self.endpoints[worker]
-        with grpc.insecure_channel(endpoint, options=GRPC_OPTIONS) as channel:
+        with self.security.channel(endpoint) as channel:
             try:
                 status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=self.timeout_s)
             except grpc.RpcError:
@@ -73,7 +75,7 @@ class Rejoiner:
         if status.status != health_pb2.HealthCheckResponse.SERVING:
             return False
         try:
-            info = fetch_info(worker, endpoint, self.timeout_s)
+            info = fetch_info(worker, endpoint, self.timeout_s, self.security)
         except WorkerMismatchError:
             return False
         if diffs := self.differences(worker, info):

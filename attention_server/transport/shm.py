@@ -17,6 +17,7 @@ from attention_server.partition import ShardSlice
 from attention_server.transport.base import Answer, Cause, ExpertWorkerError, OrderedChannel, kernel_deadlines
 from protos import codec, frames
 from protos.frames import HEADER, FrameError, Header, Kind
+from protos.security import Security
 
 _MAX_ERROR_BYTES = 1 << 16
 
@@ -24,9 +25,10 @@ _MAX_ERROR_BYTES = 1 << 16
 class ShmChannel(OrderedChannel):
     plane = "shm"
 
-    def __init__(self, worker: int, endpoint: str, timeout_s: float, address: str):
+    def __init__(self, worker: int, endpoint: str, timeout_s: float, address: str, security: Security):
         super().__init__(worker, endpoint, timeout_s)
         self.address = "\0" + address
+        self.security = security
         self.segments: dict[int, mmap.mmap] = {}  # per slot
         self.sent: dict[int, tuple[int, int]] = {}  # request -> (slot, reply offset)
 
@@ -38,6 +40,21 @@ class ShmChannel(OrderedChannel):
             sock.close()
             raise self.error(Cause.UNAVAILABLE, f"shm socket: {err}") from None
         kernel_deadlines(sock, self.timeout_s, self.deadline_s)
+        header, token = frames.hello_frame(self.security.hello_token())
+        try:
+            sock.send(header.pack() + token)
+            answer = sock.recv(HEADER.size + _MAX_ERROR_BYTES)
+            reply = Header.unpack(answer[: HEADER.size]) if answer else None
+        except (OSError, FrameError, codec.CodecError) as err:
+            sock.close()
+            raise self.error(Cause.UNAVAILABLE, f"shm socket: HELLO: {err}") from None
+        if reply is None or reply.kind != Kind.HELLO:
+            sock.close()
+            if reply is not None and reply.kind == Kind.ERROR:
+                raise self.error(Cause.UNAUTHENTICATED, f"shm socket: {answer[HEADER.size:].decode(errors='replace')}",
+                                 frames.status_name(reply.status))  # fmt: skip
+            raise self.error(Cause.UNAUTHENTICATED, "shm socket: the worker closed the connection instead of "
+                                                    "answering our HELLO")  # fmt: skip
         return sock
 
     def _segment(self, slot: int, size: int) -> tuple[mmap.mmap, int | None]:

@@ -2,30 +2,58 @@
 from __future__ import annotations
 
 import socket
+import ssl
 
 import torch
 
 from attention_server.partition import ShardSlice
-from attention_server.transport.base import Answer, Cause, ExpertWorkerError, OrderedChannel, kernel_deadlines
+from attention_server.transport.base import (
+    TIMED_OUT, Answer, Cause, ExpertWorkerError, OrderedChannel, kernel_deadlines,
+)  # fmt: skip
 from protos import codec, frames
 from protos.frames import FrameError, Header, Kind
+from protos.security import Security
 
 
 class TcpChannel(OrderedChannel):
     plane = "tcp"
 
-    def __init__(self, worker: int, endpoint: str, timeout_s: float, port: int):
+    def __init__(self, worker: int, endpoint: str, timeout_s: float, port: int, security: Security):
         super().__init__(worker, endpoint, timeout_s)
         self.address = (endpoint.rpartition(":")[0], port)
+        self.security = security
         self.sent: dict[int, int] = {}  # request -> slot
         self.buffers: dict[int, frames.ReceiveBuffer] = {}  # per slot, so a reply outlives the others
 
     def connect(self) -> socket.socket:
+        """Connected, through TLS (with --tls-dir), and greeted: the worker took our HELLO."""
+        where = f"tcp {self.address[0]}:{self.address[1]}"
         try:
             sock = socket.create_connection(self.address, timeout=self.timeout_s)
         except OSError as err:
-            raise self.error(Cause.UNAVAILABLE, f"tcp {self.address[0]}:{self.address[1]}: {err}") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            raise self.error(Cause.UNAVAILABLE, f"{where}: {err}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = self.security.wrap_client(sock, self.address[0])
+            hello, token = frames.hello_frame(self.security.hello_token())
+            frames.send_frame(sock, hello, [token])
+            header = frames.recv_header(sock)  # TLS 1.3: a refused client certificate shows here
+            reason = bytearray(header.payload if header is not None else 0)
+            if header is not None and header.payload and not frames.recv_into_exactly(sock, memoryview(reason)):
+                header = None
+        except ssl.SSLError as err:
+            sock.close()
+            raise self.error(Cause.UNAUTHENTICATED, f"{where}: TLS: {err}") from None
+        except (OSError, FrameError, codec.CodecError) as err:
+            sock.close()
+            raise self.error(Cause.UNAVAILABLE, f"{where}: HELLO: {err}") from None
+        if header is None or header.kind != Kind.HELLO:
+            sock.close()
+            if header is not None and header.kind == Kind.ERROR:
+                raise self.error(Cause.UNAUTHENTICATED, f"{where}: {reason.decode(errors='replace')}",
+                                 frames.status_name(header.status))  # fmt: skip
+            raise self.error(Cause.UNAUTHENTICATED, f"{where}: the worker closed the connection instead of answering "
+                             f"our HELLO (over {self.security.describe()}: a worker closes what it cannot authenticate)")
         kernel_deadlines(sock, self.timeout_s, self.deadline_s)
         return sock
 
@@ -34,7 +62,7 @@ class TcpChannel(OrderedChannel):
         header = frames.forward_header(request, layer, slot, len(part.rows), x.shape[1], x.dtype, part.num_pairs)
         try:
             frames.send_frame(sock, header, frames.forward_parts(x, part.rows, part.pairs))
-        except BlockingIOError:
+        except TIMED_OUT:
             raise self.lost(f"send: the worker took nothing for {self.timeout_s:g} s", Cause.DEADLINE) from None
         except OSError as err:
             raise self.lost(f"send: {err}") from None

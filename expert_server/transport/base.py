@@ -10,8 +10,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from expert_server.transport.handler import ExpertHandler
+from expert_server.transport.handler import ExpertHandler, Reply
 from protos import expert_pb2 as pb
+from protos.frames import Header, Kind
+from protos.security import Security, Unauthenticated
 
 logger = logging.getLogger(__name__)
 
@@ -61,14 +63,21 @@ class ReplyDelay:
                 return  # the connection is gone; its serving thread says so
 
 
+HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not said HELLO (and finished TLS) by then is dropped
+
+
 class Plane(ABC):
-    """A listening socket; one thread per connection runs frames through the handler."""
+    """A listening socket; one thread per connection runs frames through the handler.
+
+    A connection opens with a HELLO frame carrying the cluster token (protos/security.py); one
+    without it is answered UNAUTHENTICATED and closed before any other frame is read."""
 
     kind: str
 
-    def __init__(self, handler: ExpertHandler, listener: socket.socket):
+    def __init__(self, handler: ExpertHandler, listener: socket.socket, security: Security):
         self.handler = handler
         self.listener = listener
+        self.security = security
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept, name=f"{self.kind}-accept", daemon=True)
 
@@ -82,9 +91,26 @@ class Plane(ABC):
     @abstractmethod
     def advertise(self) -> pb.DataPlane: ...
 
+    def secure(self, conn: socket.socket) -> socket.socket:
+        """The accepted connection as this plane serves it (TCP: after the TLS handshake)."""
+        return conn
+
+    def hello_reply(self, header: Header, token: bytes | bytearray | memoryview) -> Reply:
+        """The answer to a connection's first frame: an empty HELLO when it is a HELLO carrying
+        this cluster's token, else an UNAUTHENTICATED error (counted) after which the plane closes."""
+        if header.kind != Kind.HELLO:
+            refused = Unauthenticated(f"a connection opens with a HELLO frame, not {header.kind.name}")
+        elif not self.security.token_matches(token):
+            refused = Unauthenticated("no cluster token" if not len(token) else "a wrong cluster token")
+        else:
+            return Reply(Header(Kind.HELLO, 0))
+        logger.warning("%s plane: refused a connection: %s", self.kind, refused)
+        return self.handler.error(0, self.handler.refusal(refused))
+
     @abstractmethod
     def serve(self, conn: socket.socket, delay: ReplyDelay) -> None:
-        """Answer frames on one connection until the peer closes it, sending replies through `delay`."""
+        """Check the connection's HELLO (hello_reply), then answer frames until the peer closes it,
+        sending replies through `delay`."""
 
     def _accept(self) -> None:
         while not self._closed.is_set():
@@ -95,6 +121,13 @@ class Plane(ABC):
             threading.Thread(target=self._serve_logged, args=(conn,), name=f"{self.kind}-conn", daemon=True).start()
 
     def _serve_logged(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            conn = self.secure(conn)
+        except OSError as err:  # ssl.SSLError too: no certificate, or one the cluster's CA did not sign
+            conn.close()
+            logger.warning("%s plane: refused a connection: %s", self.kind, err)
+            return
         self.handler.enter_thread()
         delay = ReplyDelay(self.handler.reply_delay)
         with conn:

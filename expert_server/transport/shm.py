@@ -20,21 +20,25 @@ from expert_server.transport.handler import ExpertHandler, Reply
 from protos import codec, frames
 from protos import expert_pb2 as pb
 from protos.frames import HEADER, FrameError, Header, Kind
+from protos.security import MAX_TOKEN_BYTES, Security
 
 class ShmPlane(Plane):
     kind = "shm"
 
-    def __init__(self, handler: ExpertHandler):
+    def __init__(self, handler: ExpertHandler, security: Security):
         self.address = f"\0hetero-moe-{uuid.uuid4().hex}"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(self.address)
         listener.listen(64)
-        super().__init__(handler, listener)
+        super().__init__(handler, listener, security)
 
     def advertise(self) -> pb.DataPlane:
         return pb.DataPlane(kind=self.kind, address=self.address[1:], host_id=frames.host_id())
 
     def serve(self, conn: socket.socket, delay: ReplyDelay) -> None:
+        if not self._greet(conn):
+            return
+        conn.settimeout(None)
         segments: dict[int, mmap.mmap] = {}  # per slot; unmapped when dropped
         while True:
             message, fds, _, _ = socket.recv_fds(conn, HEADER.size, 1)
@@ -54,6 +58,22 @@ class ShmPlane(Plane):
                     os.close(fd)
             message = reply.header.pack() + (bytes(reply.payload) if reply.header.kind == Kind.ERROR else b"")
             delay.send(lambda message=message: conn.send(message), reply.rows)
+
+    def _greet(self, conn: socket.socket) -> bool:
+        """The HELLO: one message, its header and the token."""
+        message = conn.recv(HEADER.size + MAX_TOKEN_BYTES)
+        if not message:
+            return False
+        try:
+            header = Header.unpack(message[: HEADER.size])
+            if header.payload != len(message) - HEADER.size:
+                raise FrameError(f"header says {header.payload} payload bytes, message has {len(message) - HEADER.size}")
+        except (FrameError, codec.CodecError) as err:
+            reply = self.handler.refuse_stream(err)
+        else:
+            reply = self.hello_reply(header, message[HEADER.size :])
+        conn.send(reply.header.pack() + bytes(reply.payload))
+        return reply.header.kind == Kind.HELLO
 
     def _answer(self, header: Header, segment: mmap.mmap | None) -> Reply:
         reply_at = frames.reply_offset(header.payload)
