@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         except FileExistsError as err:
             print(f"certs: {err}", file=sys.stderr)
             return 1
-        print(f"wrote {a.dir}: pool A needs {', '.join(security.attention_files())}; pool B needs "
-              f"{', '.join(security.worker_files())}; keep {security.CA_KEY} off both", flush=True)  # fmt: skip
+        print(f"wrote {a.dir}: pool A needs {', '.join(security.role_files('attention'))}; pool B needs "
+              f"{', '.join(security.role_files('worker'))}; keep {security.CA_KEY} off both", flush=True)  # fmt: skip
         return 0
     if not stop_detached(a.run_dir):
         print(f"no detached cluster recorded in {a.run_dir}")

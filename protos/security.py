@@ -41,12 +41,9 @@ FILES = (CA_CERT, WORKER_CERT, WORKER_KEY, ATTENTION_CERT, ATTENTION_KEY, TOKEN)
 ROLES = {"worker": (WORKER_CERT, WORKER_KEY), "attention": (ATTENTION_CERT, ATTENTION_KEY)}
 
 
-def worker_files() -> tuple[str, ...]:
-    return (CA_CERT, *ROLES["worker"], TOKEN)
-
-
-def attention_files() -> tuple[str, ...]:
-    return (CA_CERT, *ROLES["attention"], TOKEN)
+def role_files(role: str) -> tuple[str, ...]:
+    """What a node of `role` reads from its TLS directory: the CA, its certificate and key, the token."""
+    return (CA_CERT, *ROLES[role], TOKEN)
 
 
 TOKEN_METADATA = "authorization"  # what grpc.access_token_call_credentials sends
@@ -105,7 +102,7 @@ class Security:
         if role not in ROLES:
             raise SecurityError(f"role {role!r} is not one of {sorted(ROLES)}")
         cert_name, key_name = ROLES[role]
-        paths = {n: tls_dir / n for n in (CA_CERT, cert_name, key_name, TOKEN)}
+        paths = {n: tls_dir / n for n in role_files(role)}
         if missing := [n for n, p in paths.items() if not p.is_file()]:
             raise SecurityError(f"--tls-dir {tls_dir} lacks {missing} (the {role} needs {list(paths)}; "
                                 "python -m cluster certs DIR makes them)")  # fmt: skip
