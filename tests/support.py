@@ -40,25 +40,33 @@ def token_id(text: str) -> int:
     return int(text.removeprefix("token_id:"))
 
 
-def generate(base_url: str, max_tokens: int = MAX_TOKENS) -> list[Generation]:
-    """Greedy completions of PROMPTS, in one batch, through the `openai` client, with each step's top-2."""
+def generate(base_url: str, max_tokens: int = MAX_TOKENS, alone: bool = False) -> list[Generation]:
+    """Greedy completions of PROMPTS through the `openai` client, with each step's top-2: in one
+    batch, or with `alone` one request at a time.
+
+    Only `alone` is reproducible to the bit from one server to the next: a step's numbers on CPU
+    depend on which requests share its batch, and the prompts of one request reach vLLM's engine
+    one by one, so the first step's batch is whatever had arrived by then."""
     client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
-    response = client.completions.create(
-        model=model, prompt=PROMPTS, max_tokens=max_tokens, temperature=0, logprobs=2,
-        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
-    )  # fmt: skip
-    out = [None] * len(PROMPTS)
-    for choice in response.choices:
-        lp = choice.logprobs
-        tokens = [token_id(t) for t in lp.tokens]
-        margins, runner_up = [], []
-        for top in lp.top_logprobs:
-            (first, lp1), (second, lp2) = sorted(top.items(), key=lambda kv: -kv[1])[:2]
-            margins.append(lp1 - lp2)
-            runner_up.append(token_id(second))
-        out[choice.index] = Generation(tokens, margins, runner_up)
+    batches = [[p] for p in PROMPTS] if alone else [PROMPTS]
+    out = []
+    for prompts in batches:
+        response = client.completions.create(
+            model=model, prompt=prompts, max_tokens=max_tokens, temperature=0, logprobs=2,
+            extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+        )  # fmt: skip
+        out += [_generation(c.logprobs) for c in sorted(response.choices, key=lambda c: c.index)]
     return out
+
+
+def _generation(lp) -> Generation:
+    margins, runner_up = [], []
+    for top in lp.top_logprobs:
+        (first, lp1), (second, lp2) = sorted(top.items(), key=lambda kv: -kv[1])[:2]
+        margins.append(lp1 - lp2)
+        runner_up.append(token_id(second))
+    return Generation([token_id(t) for t in lp.tokens], margins, runner_up)
 
 
 class Processes:

@@ -115,7 +115,7 @@ def test_attention_server_without_endpoints_serves_stock_vllms_tokens(qwen2, tmp
         try:
             url = f"http://{HOST}:{port}"
             wait_http_ready(url, [proc], timeout_s=600)
-            served[name] = (generate(url), scrape(f"{url}/metrics"))
+            served[name] = (generate(url, alone=True), scrape(f"{url}/metrics"))
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)

@@ -249,7 +249,7 @@ def _cluster_tokens(model, logs, *flags: str) -> tuple[list, str]:
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
         wait_http_ready(f"http://{HOST}:{http}", [up], timeout_s=900)
-        return generate(f"http://{HOST}:{http}"), (run_dir / "worker-0.log").read_text()
+        return generate(f"http://{HOST}:{http}", alone=True), (run_dir / "worker-0.log").read_text()
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(timeout=120)
