@@ -51,6 +51,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from attention_server import metrics
 from attention_server.combine import combine
 from attention_server.config import AttentionConfig
+from attention_server.load.window import ExpertLoad, LoadView
 from attention_server.partition import partition
 from attention_server.transport import factory
 from attention_server.vllm_internals import dbo_current_ubatch_id, dbo_yield
@@ -72,9 +73,26 @@ class ExpertPool:
         self.transport = factory.connect_workers(cfg, ckpt)
         self.shards = self.transport.placement.shard_table()  # [E] shard of each expert
         self.counts = metrics.DispatchCounts(len(cfg.expert_endpoints))
+        self.load = (ExpertLoad(ckpt.moe_layers, self.shards, ckpt.top_k, cfg.expert_load_window_s)
+                     if cfg.expert_load_window_s else None)  # fmt: skip
         self.times = metrics.StepTimes()  # published per step by the model runner (pingpong.py)
         self.last_layer = -1  # the step's last MoE layer publishes its counts
         self.moe_layers = 0  # RemoteRoutedExperts built on this pool
+
+    def end_step(self) -> None:
+        """After the step's last MoE layer (of each micro-batch)."""
+        self.counts.publish()
+        if self.load is not None and self.load.advance():
+            metrics.publish_load(self.load.view())
+
+    def load_view(self) -> LoadView | None:
+        """The expert load window as of now, None when it is off; the gauges show the same."""
+        if self.load is None:
+            return None
+        self.load.advance()
+        view = self.load.view()
+        metrics.publish_load(view)
+        return view
 
 
 @functools.cache
@@ -118,6 +136,7 @@ class RemoteRoutedExperts(RoutedExperts):
             raise UnsupportedMoEError(f"{layer_name}: remote experts do not support {', '.join(reasons)}")
         self.layer_index = extract_layer_index(layer_name)
         self.pool = expert_pool(get_current_vllm_config().model_config.model)
+        self.load_slot = self.pool.load.slots[self.layer_index] if self.pool.load is not None else -1
         assert len(self.pool.shards) == self.global_num_experts, (len(self.pool.shards), self.global_num_experts)
         self.pool.last_layer = max(self.pool.last_layer, self.layer_index)
         self.pool.moe_layers += 1
@@ -164,11 +183,13 @@ class RemoteRoutedExperts(RoutedExperts):
         waited = time.perf_counter()
         self.pool.counts.add(self.layer_index, pending.plan, x.shape[1], x.element_size(),
                              [call.worker for call in pending.calls])  # fmt: skip
+        if self.pool.load is not None:
+            self.pool.load.add(self.load_slot, pending.plan.expert_pairs)
         out = combine(pending.plan, partials, x.shape[1], x.dtype).to(x.device)
         self.pool.times.expert_wait_s += waited - start
         self.pool.times.combine_s += time.perf_counter() - waited
         if self.layer_index == self.pool.last_layer:
-            self.pool.counts.publish()
+            self.pool.end_step()
         return out
 
 
