@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         # The plugin's counters live in vLLM's engine process; this joins them to vLLM's /metrics.
         # First: nothing may import prometheus_client before it (the transport's metrics do).
         metrics_dir = share_metrics_across_processes()  # noqa: F841 (kept alive until exit)
+        from attention_server.load import route as load_route
         from attention_server.transport import factory
         from attention_server.transport.base import ExpertWorkerError
         from attention_server.transport.factory import PlaneUnavailable
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
                                              tls_dir=ours.tls_dir, plaintext=ours.plaintext)  # fmt: skip
             credentials = cfg.security()
             vllm_argv += pingpong_worker_args(cfg.pingpong_microbatches, vllm_argv)
+            vllm_argv += ["--middleware", load_route.MIDDLEWARE]  # GET /hetero_moe/expert_load
             ckpt = read_checkpoint(ours.model)
             infos, placement = check_workers(cfg.expert_endpoints, ckpt, ours.worker_ready_timeout, credentials,
                                              cfg.expert_replicas)  # fmt: skip
