@@ -54,6 +54,7 @@ from attention_server.config import AttentionConfig
 from attention_server.load.window import ExpertLoad, LoadView
 from attention_server.partition import partition
 from attention_server.transport import factory
+from attention_server.transport.base import Pending
 from attention_server.vllm_internals import dbo_current_ubatch_id, dbo_yield
 from protos.checkpoint import MoeCheckpoint, read_checkpoint
 
@@ -78,6 +79,12 @@ class ExpertPool:
         self.times = metrics.StepTimes()  # published per step by the model runner (pingpong.py)
         self.last_layer = -1  # the step's last MoE layer publishes its counts
         self.moe_layers = 0  # RemoteRoutedExperts built on this pool
+
+    def record(self, layer: int, pending: Pending, width: int, itemsize: int) -> None:
+        """A layer call's dispatch (`pending`: answered), for the counters and the load window."""
+        self.counts.add(layer, pending.plan, width, itemsize, [call.worker for call in pending.calls])
+        if self.load is not None:
+            self.load.add(self.load.slots[layer], pending.plan.expert_pairs)
 
     def end_step(self) -> None:
         """After the step's last MoE layer (of each micro-batch)."""
@@ -136,7 +143,6 @@ class RemoteRoutedExperts(RoutedExperts):
             raise UnsupportedMoEError(f"{layer_name}: remote experts do not support {', '.join(reasons)}")
         self.layer_index = extract_layer_index(layer_name)
         self.pool = expert_pool(get_current_vllm_config().model_config.model)
-        self.load_slot = self.pool.load.slots[self.layer_index] if self.pool.load is not None else -1
         assert len(self.pool.shards) == self.global_num_experts, (len(self.pool.shards), self.global_num_experts)
         self.pool.last_layer = max(self.pool.last_layer, self.layer_index)
         self.pool.moe_layers += 1
@@ -181,10 +187,7 @@ class RemoteRoutedExperts(RoutedExperts):
         start = time.perf_counter()
         partials = pending.wait()
         waited = time.perf_counter()
-        self.pool.counts.add(self.layer_index, pending.plan, x.shape[1], x.element_size(),
-                             [call.worker for call in pending.calls])  # fmt: skip
-        if self.pool.load is not None:
-            self.pool.load.add(self.load_slot, pending.plan.expert_pairs)
+        self.pool.record(self.layer_index, pending, x.shape[1], x.element_size())
         out = combine(pending.plan, partials, x.shape[1], x.dtype).to(x.device)
         self.pool.times.expert_wait_s += waited - start
         self.pool.times.combine_s += time.perf_counter() - waited
