@@ -81,7 +81,10 @@ def main(argv: list[str] | None = None) -> None:
         print()
         return
     view = LoadView.from_json(data)
-    counts, span = (view.total, "since the server started") if a.total else (view.window, f"over the last {view.covered_s:.0f} s")
+    if a.total:
+        counts, span = view.total, "since the server started"
+    else:
+        counts, span = view.window, f"over the last {view.covered_s:.0f} s"
     if a.png:
         heat_map(view, counts, span, a.png)
         print(a.png)
