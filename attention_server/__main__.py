@@ -13,8 +13,8 @@ import logging
 import sys
 
 from attention_server.config import (
-    DATA_PLANES, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_WORKER_LOSS_TIMEOUT_S, MAX_MICROBATCHES, AttentionConfig,
-    microbatches_flag, share_metrics_across_processes,
+    DATA_PLANES, DEFAULT_EXPERT_LOAD_WINDOW_S, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_WORKER_LOSS_TIMEOUT_S,
+    MAX_MICROBATCHES, AttentionConfig, microbatches_flag, share_metrics_across_processes,
 )  # fmt: skip
 from attention_server.handshake import WorkerMismatchError, check_workers
 from protos.checkpoint import CheckpointError, read_checkpoint
@@ -41,6 +41,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--pingpong-microbatches", type=microbatches_flag, default=None, metavar="M|auto",
                    help=f"run steps of at least M requests as M micro-batches (1 to {MAX_MICROBATCHES}) whose attention "
                         "overlaps the others' experts; 1: off; auto (default): M chosen per step from measured times")
+    p.add_argument("--expert-load-window", type=float, default=DEFAULT_EXPERT_LOAD_WINDOW_S, metavar="S",
+                   help="count the tokens routed to each (MoE layer, expert) over the last S seconds, for "
+                        "/metrics and /hetero_moe/expert_load (python -m attention_server.load); 0: off")
     ours, vllm_args = p.parse_known_args(argv)
     if (ours.pingpong_microbatches or 1) > 1 and not ours.expert_endpoints:
         p.error("--pingpong-microbatches needs --expert-endpoints (without them this is stock vLLM)")
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         # The plugin's counters live in vLLM's engine process; this joins them to vLLM's /metrics.
         # First: nothing may import prometheus_client before it (the transport's metrics do).
         metrics_dir = share_metrics_across_processes()  # noqa: F841 (kept alive until exit)
+        from attention_server.load import route as load_route
         from attention_server.transport import factory
         from attention_server.transport.base import ExpertWorkerError
         from attention_server.transport.factory import PlaneUnavailable
@@ -95,10 +99,11 @@ def main(argv: list[str] | None = None) -> None:
         try:
             cfg = AttentionConfig.from_flags(ours.expert_endpoints, ours.expert_timeout, ours.data_plane,
                                              ours.pingpong_microbatches, ours.expert_replicas,
-                                             ours.worker_loss_timeout, tls_dir=ours.tls_dir,
-                                             plaintext=ours.plaintext)  # fmt: skip
+                                             ours.worker_loss_timeout, ours.expert_load_window,
+                                             tls_dir=ours.tls_dir, plaintext=ours.plaintext)  # fmt: skip
             credentials = cfg.security()
             vllm_argv += pingpong_worker_args(cfg.pingpong_microbatches, vllm_argv)
+            vllm_argv += ["--middleware", load_route.MIDDLEWARE]  # GET /hetero_moe/expert_load
             ckpt = read_checkpoint(ours.model)
             infos, placement = check_workers(cfg.expert_endpoints, ckpt, ours.worker_ready_timeout, credentials,
                                              cfg.expert_replicas)  # fmt: skip

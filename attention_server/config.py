@@ -25,10 +25,12 @@ REPLICAS_ENV = "HETERO_MOE_EXPERT_REPLICAS"
 WORKER_LOSS_ENV = "HETERO_MOE_WORKER_LOSS_TIMEOUT_S"
 TLS_DIR_ENV = "HETERO_MOE_TLS_DIR"  # --tls-dir
 PLAINTEXT_ENV = "HETERO_MOE_PLAINTEXT"  # "1": --plaintext
+LOAD_WINDOW_ENV = "HETERO_MOE_EXPERT_LOAD_WINDOW_S"
 MAX_MICROBATCHES = 4
 DATA_PLANES = ("auto", "shm", "tcp", "grpc")
 DEFAULT_REQUEST_TIMEOUT_S = 60.0
 DEFAULT_WORKER_LOSS_TIMEOUT_S = 60.0
+DEFAULT_EXPERT_LOAD_WINDOW_S = 60.0
 PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
@@ -59,6 +61,7 @@ class AttentionConfig:
     pingpong_microbatches: int | None = None  # m: steps of at least m requests run as m micro-batches; None: auto
     expert_replicas: int | None = None  # R: workers holding each shard; None: what the workers hold
     worker_loss_timeout_s: float = DEFAULT_WORKER_LOSS_TIMEOUT_S  # a shard with no live replica waits this long
+    expert_load_window_s: float = DEFAULT_EXPERT_LOAD_WINDOW_S  # tokens per (layer, expert) over this; 0: not counted
     tls_dir: Path | None = field(kw_only=True)  # mutual TLS and token from here (protos/security.py); None: plaintext
 
     def __post_init__(self) -> None:
@@ -79,6 +82,8 @@ class AttentionConfig:
             raise ValueError(f"expert replicas must be 1 to {workers} (the number of workers), got {self.expert_replicas}")
         if not self.worker_loss_timeout_s >= 0:
             raise ValueError(f"worker loss timeout must be >= 0 s, got {self.worker_loss_timeout_s}")
+        if not self.expert_load_window_s >= 0:
+            raise ValueError(f"expert load window must be >= 0 s (0: off), got {self.expert_load_window_s}")
         if self.tls_dir is not None and not self.tls_dir.is_dir():
             raise ValueError(f"--tls-dir {self.tls_dir} is not a directory")
 
@@ -91,12 +96,13 @@ class AttentionConfig:
     @classmethod
     def from_flags(cls, endpoints: str, request_timeout_s: float, data_plane: str = "auto",
                    pingpong_microbatches: int | None = None, expert_replicas: int | None = None,
-                   worker_loss_timeout_s: float = DEFAULT_WORKER_LOSS_TIMEOUT_S, *, tls_dir: Path | None,
+                   worker_loss_timeout_s: float = DEFAULT_WORKER_LOSS_TIMEOUT_S,
+                   expert_load_window_s: float = DEFAULT_EXPERT_LOAD_WINDOW_S, *, tls_dir: Path | None,
                    plaintext: bool) -> AttentionConfig:  # fmt: skip
         from protos.security import tls_dir_flag
 
         return cls(tuple(e.strip() for e in endpoints.split(",") if e.strip()), request_timeout_s, data_plane,
-                   pingpong_microbatches, expert_replicas, worker_loss_timeout_s,
+                   pingpong_microbatches, expert_replicas, worker_loss_timeout_s, expert_load_window_s,
                    tls_dir=tls_dir_flag(tls_dir, plaintext))  # fmt: skip
 
     @classmethod
@@ -110,6 +116,7 @@ class AttentionConfig:
             endpoints, float(os.environ.get(TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT_S)), os.environ.get(DATA_PLANE_ENV, "auto"),
             microbatches_flag(os.environ.get(PINGPONG_ENV, "auto")), int(replicas) if replicas else None,
             float(os.environ.get(WORKER_LOSS_ENV, DEFAULT_WORKER_LOSS_TIMEOUT_S)),
+            float(os.environ.get(LOAD_WINDOW_ENV, DEFAULT_EXPERT_LOAD_WINDOW_S)),
             tls_dir=Path(tls) if (tls := os.environ.get(TLS_DIR_ENV)) else None,
             plaintext=os.environ.get(PLAINTEXT_ENV) == "1",
         )  # fmt: skip
@@ -121,6 +128,7 @@ class AttentionConfig:
         os.environ[DATA_PLANE_ENV] = self.data_plane
         os.environ[PINGPONG_ENV] = "auto" if self.pingpong_microbatches is None else str(self.pingpong_microbatches)
         os.environ[WORKER_LOSS_ENV] = repr(self.worker_loss_timeout_s)
+        os.environ[LOAD_WINDOW_ENV] = repr(self.expert_load_window_s)
         if self.tls_dir is None:
             os.environ.pop(TLS_DIR_ENV, None)
             os.environ[PLAINTEXT_ENV] = "1"

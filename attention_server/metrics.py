@@ -4,7 +4,8 @@ The plugin runs in vLLM's engine process, not in the API server process that
 serves /metrics. `python -m attention_server` therefore turns on
 prometheus_client's multiprocess mode before vLLM starts (as vLLM does itself
 when it runs several API servers), and these series appear on vLLM's own
-/metrics beside its `vllm:` ones. Labels are bounded: worker index, MoE layer, cause.
+/metrics beside its `vllm:` ones. Labels are bounded: worker index, MoE layer, cause,
+rank among a layer's LOAD_TOP_N busiest experts; never one series per expert.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from attention_server.load.window import BALANCE_OVER, LoadView
 from protos import frames
 
 DISPATCH_MESSAGES = Counter("hetero_moe_dispatch_messages", "Forward messages sent to each expert worker", ["worker"])
@@ -73,6 +75,33 @@ WORKER_DEADLINE = Gauge("hetero_moe_transport_deadline_seconds",
                         "How long the attention node waits for each worker's answer before it fails over",
                         ["worker"], multiprocess_mode="livemax")  # fmt: skip
 REJOINS = Counter("hetero_moe_transport_rejoins", "Expert workers put back after being down", ["worker"])
+# The expert load window (attention_server/load): 2 x L x (LOAD_TOP_N + 1) series for L MoE layers.
+# Set when the ring starts a bucket and when the view is read; the full per-expert view is JSON.
+LOAD_TOP_N = 3
+LOAD_BALANCE = Gauge(
+    "hetero_moe_expert_load_balance",
+    "Per MoE layer, over the expert load window: the busiest expert's (or shard's) tokens over the mean (1: balanced)",
+    ["layer", "over"], multiprocess_mode="livemostrecent",
+)
+LOAD_TOP_EXPERT = Gauge("hetero_moe_expert_load_top_expert",
+                        "Per MoE layer, over the expert load window: the id of its rank-th busiest expert",
+                        ["layer", "rank"], multiprocess_mode="livemostrecent")  # fmt: skip
+LOAD_TOP_TOKENS = Gauge(
+    "hetero_moe_expert_load_top_token_ratio",
+    "Per MoE layer, over the expert load window: the share of its tokens routed to its rank-th busiest expert",
+    ["layer", "rank"], multiprocess_mode="livemostrecent",
+)
+
+
+def publish_load(view: LoadView) -> None:
+    for over in BALANCE_OVER:
+        for layer, value in zip(view.layers, view.balance(view.window, over).tolist()):
+            LOAD_BALANCE.labels(str(layer), over).set(value)
+    ids, shares = view.top(view.window, LOAD_TOP_N)
+    for layer, layer_ids, layer_shares in zip(view.layers, ids.tolist(), shares.tolist()):
+        for rank, (expert, share) in enumerate(zip(layer_ids, layer_shares), start=1):
+            LOAD_TOP_EXPERT.labels(str(layer), str(rank)).set(expert)
+            LOAD_TOP_TOKENS.labels(str(layer), str(rank)).set(share)
 
 
 @dataclass(slots=True)

@@ -225,3 +225,10 @@ class PingPongCPUWorker(CPUWorker):
                             cfg.pingpong_microbatches)  # fmt: skip
         with _builds_runner(PingPongCPUModelRunner):
             super().init_device()
+
+    def hetero_moe_expert_load(self) -> dict | None:
+        """The expert load view as JSON (attention_server/load/route.py asks through vLLM's
+        collective_rpc; the name is route.RPC_METHOD); None when the accounting is off."""
+        pool = pool_of(self.vllm_config)
+        view = pool.load_view() if pool is not None else None
+        return view.to_json() if view is not None else None

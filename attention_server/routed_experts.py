@@ -51,8 +51,10 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from attention_server import metrics
 from attention_server.combine import combine
 from attention_server.config import AttentionConfig
+from attention_server.load.window import ExpertLoad, LoadView
 from attention_server.partition import partition
 from attention_server.transport import factory
+from attention_server.transport.base import Pending
 from attention_server.vllm_internals import dbo_current_ubatch_id, dbo_yield
 from protos.checkpoint import MoeCheckpoint, read_checkpoint
 
@@ -72,9 +74,32 @@ class ExpertPool:
         self.transport = factory.connect_workers(cfg, ckpt)
         self.shards = self.transport.placement.shard_table()  # [E] shard of each expert
         self.counts = metrics.DispatchCounts(len(cfg.expert_endpoints))
+        self.load = (ExpertLoad(ckpt.moe_layers, self.shards, ckpt.top_k, cfg.expert_load_window_s)
+                     if cfg.expert_load_window_s else None)  # fmt: skip
         self.times = metrics.StepTimes()  # published per step by the model runner (pingpong.py)
         self.last_layer = -1  # the step's last MoE layer publishes its counts
         self.moe_layers = 0  # RemoteRoutedExperts built on this pool
+
+    def record(self, layer: int, pending: Pending, width: int, itemsize: int) -> None:
+        """A layer call's dispatch (`pending`: answered), for the counters and the load window."""
+        self.counts.add(layer, pending.plan, width, itemsize, [call.worker for call in pending.calls])
+        if self.load is not None:
+            self.load.add(self.load.slots[layer], pending.plan.expert_pairs)
+
+    def end_step(self) -> None:
+        """After the step's last MoE layer (of each micro-batch)."""
+        self.counts.publish()
+        if self.load is not None and self.load.advance():
+            metrics.publish_load(self.load.view())
+
+    def load_view(self) -> LoadView | None:
+        """The expert load window as of now, None when it is off; the gauges show the same."""
+        if self.load is None:
+            return None
+        self.load.advance()
+        view = self.load.view()
+        metrics.publish_load(view)
+        return view
 
 
 @functools.cache
@@ -162,13 +187,12 @@ class RemoteRoutedExperts(RoutedExperts):
         start = time.perf_counter()
         partials = pending.wait()
         waited = time.perf_counter()
-        self.pool.counts.add(self.layer_index, pending.plan, x.shape[1], x.element_size(),
-                             [call.worker for call in pending.calls])  # fmt: skip
+        self.pool.record(self.layer_index, pending, x.shape[1], x.element_size())
         out = combine(pending.plan, partials, x.shape[1], x.dtype).to(x.device)
         self.pool.times.expert_wait_s += waited - start
         self.pool.times.combine_s += time.perf_counter() - waited
         if self.layer_index == self.pool.last_layer:
-            self.pool.counts.publish()
+            self.pool.end_step()
         return out
 
 

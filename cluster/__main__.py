@@ -65,6 +65,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     up.add_argument("--worker-loss-timeout", type=float, default=None, metavar="S",
                     help="when every worker holding some experts is lost, steps wait this long for one to come back "
                          "(attention_server's default: 60), then the attention server stops and so does `up`")
+    up.add_argument("--expert-load-window", type=float, default=None, metavar="S",
+                    help="tokens per (MoE layer, expert) over the last S seconds, on /metrics and through "
+                         "python -m attention_server.load (attention_server's default: 60); 0: not counted")
     up.add_argument("--pingpong-microbatches", type=microbatches_flag, default=None, metavar="M|auto",
                     help="steps of at least M requests run as M micro-batches in ping-pong (1 to 4); 1: off; "
                          "auto (default): M chosen per step from measured times")
@@ -138,6 +141,7 @@ def up(a: argparse.Namespace) -> int:
         pingpong_microbatches=a.pingpong_microbatches,
         expert_replicas=replicas,
         worker_loss_timeout_s=a.worker_loss_timeout,
+        expert_load_window_s=a.expert_load_window,
         vllm_args=tuple(vllm_args),
         worker_args=worker_args(a),
     )

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
-PRESETS = ("tiny", "large", "a3b")
+PRESETS = ("tiny", "large", "a3b", "skewed")
 NUM_WORKERS = 8  # pool B size: experts are split evenly across workers
 FORMAT_VERSION = 1  # bump when the code changes the bytes written for an unchanged spec
 
@@ -43,6 +43,18 @@ class InitScales:
 
 
 @dataclass(frozen=True, slots=True)
+class RouterSkew:
+    """Routers that strongly prefer a few experts, the way real ones do when a hidden dimension
+    carries a large activation shared by every token: each token embedding gets `embed_offset` on
+    dimension 0, and every MoE layer's router row of each hot expert weights that dimension by
+    `router_gain` more (as a std / sqrt(fan_in) multiple, like the init scales)."""
+
+    hot_experts: tuple[int, ...]
+    embed_offset: float
+    router_gain: float
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """Everything that determines a checkpoint's bytes, besides the seed and the tokenizer corpus."""
 
@@ -62,6 +74,7 @@ class ModelSpec:
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     init: InitScales = InitScales()
+    skew: RouterSkew | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -79,6 +92,8 @@ class ModelSpec:
         if self.arch == "qwen2_moe" and self.head_dim * self.num_heads != self.hidden_size:
             # vLLM's Qwen2-MoE ignores config.head_dim and uses hidden_size // num_heads.
             raise ValueError("qwen2_moe needs head_dim * num_heads == hidden_size")
+        if self.skew is not None and not all(0 <= e < self.num_experts for e in self.skew.hot_experts):
+            raise ValueError(f"hot experts {self.skew.hot_experts} out of range for {self.num_experts} experts")
 
     @property
     def hf_architecture(self) -> str:
@@ -86,7 +101,10 @@ class ModelSpec:
 
     def fingerprint(self, seed: int, corpus_sha256: str) -> str:
         """sha256 over everything the checkpoint's bytes depend on."""
-        inputs = {"format": FORMAT_VERSION, "spec": dataclasses.asdict(self), "seed": seed}
+        spec = dataclasses.asdict(self)
+        if self.skew is None:
+            del spec["skew"]  # so that the checkpoints made before skew existed keep their fingerprint
+        inputs = {"format": FORMAT_VERSION, "spec": spec, "seed": seed}
         blob = json.dumps(inputs | {"corpus": corpus_sha256}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -125,12 +143,21 @@ def _a3b(arch: str) -> ModelSpec:
                      head_dim=128, num_experts=128, top_k=8, expert_intermediate=768)  # fmt: skip
 
 
+def _skewed(arch: str) -> ModelSpec:
+    """The tiny Qwen3-MoE whose routers send most tokens to experts 2, 9 and 13 (on three
+    different workers): the expert-load tests' and heat map's model."""
+    if arch != "qwen3_moe":
+        raise ValueError("the skewed preset is a tiny Qwen3-MoE: arch must be qwen3_moe")
+    return dataclasses.replace(_tiny(arch), preset="skewed",
+                               skew=RouterSkew(hot_experts=(2, 9, 13), embed_offset=8.0, router_gain=40.0))  # fmt: skip
+
+
 def spec_for(arch: str, preset: str = "tiny") -> ModelSpec:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {PRESETS}")
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
-    return {"tiny": _tiny, "large": _large, "a3b": _a3b}[preset](arch)
+    return {"tiny": _tiny, "large": _large, "a3b": _a3b, "skewed": _skewed}[preset](arch)
 
 
 def hf_config(spec: ModelSpec, special_ids: dict[str, int]) -> dict:

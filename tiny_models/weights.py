@@ -25,6 +25,15 @@ _UNIFORM_BITS = 24
 
 
 @dataclass(frozen=True, slots=True)
+class ColumnShift:
+    """`value` added to column `column` of `rows` (None: every row) of a 2-D tensor."""
+
+    column: int
+    value: float
+    rows: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class TensorSpec:
     """One checkpoint tensor. std None means a norm weight (all ones)."""
 
@@ -32,6 +41,7 @@ class TensorSpec:
     shape: tuple[int, ...]
     std: float | None
     zero_rows: tuple[int, ...] = ()
+    shift: ColumnShift | None = None
 
 
 def _linear(name: str, out_features: int, in_features: int, gain: float) -> TensorSpec:
@@ -76,7 +86,11 @@ def _moe(prefix: str, spec: ModelSpec) -> list[TensorSpec]:
         block, names = f"{prefix}.block_sparse_moe", ("w1", "w3", "w2")
     else:
         block, names = f"{prefix}.mlp", ("gate_proj", "up_proj", "down_proj")
-    tensors = [_linear(f"{block}.gate", e, h, spec.init.router)]
+    router = _linear(f"{block}.gate", e, h, spec.init.router)
+    if spec.skew is not None:
+        shift = ColumnShift(0, spec.skew.router_gain / math.sqrt(h), spec.skew.hot_experts)
+        router = dataclasses.replace(router, shift=shift)
+    tensors = [router]
     for i in range(e):
         tensors += _mlp(f"{block}.experts.{i}", names, h, spec.expert_intermediate, spec)
     if spec.shared_expert_intermediate:
@@ -92,7 +106,10 @@ def tensor_specs(spec: ModelSpec, dead_token_ids: Sequence[int]) -> list[TensorS
     decoding never picks them: their logit is exactly 0 while the top logit is several stds up.
     """
     h, v = spec.hidden_size, spec.vocab_size
-    tensors = [TensorSpec("model.embed_tokens.weight", (v, h), spec.init.embed)]
+    embed = TensorSpec("model.embed_tokens.weight", (v, h), spec.init.embed)
+    if spec.skew is not None:
+        embed = dataclasses.replace(embed, shift=ColumnShift(0, spec.skew.embed_offset))
+    tensors = [embed]
     for layer in range(spec.num_layers):
         p = f"model.layers.{layer}"
         tensors += [
@@ -122,6 +139,9 @@ def materialize(t: TensorSpec, seed: int) -> torch.Tensor:
     ints = torch.randint(-half, half, t.shape, generator=_generator(seed, t.name), dtype=torch.int64)
     # (ints + 0.5) / half is uniform on (-1, 1) with std 1/sqrt(3).
     values = (ints.to(torch.float64) + 0.5) * (t.std * math.sqrt(3.0) / half)
+    if t.shift is not None:
+        rows = list(t.shift.rows) if t.shift.rows is not None else slice(None)
+        values[rows, t.shift.column] += t.shift.value
     if t.zero_rows:
         values[list(t.zero_rows)] = 0.0
     return values.to(torch.bfloat16)

@@ -1,0 +1,114 @@
+"""Tokens per (MoE layer, expert) over a sliding window, cheap enough to stay on.
+
+The window is a ring of BUCKETS arrays [L, E]. Each MoE layer call adds its DispatchPlan's
+expert_pairs (a bincount partition already made) to the current bucket: one numpy add of E
+integers, no loop per token. Once a step the ring advances by the buckets that have elapsed;
+a bucket leaving the ring is added to the counts since start. So the window reaches back
+between (BUCKETS - 1) / BUCKETS of window_s and window_s.
+
+No Prometheus here: this module is also read by the CLI, in a process that serves no metrics.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+BUCKETS = 12
+BALANCE_OVER = ("expert", "shard")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadView:
+    """Tokens routed to each (MoE layer, expert): over the window and since the server started
+    (vLLM's startup profiling run included).
+
+    layers: [L] model layer index of each row; shards: [E] the shard (worker, without replicas)
+    holding each expert; window, total: [L, E] int64.
+    """
+
+    layers: tuple[int, ...]
+    shards: tuple[int, ...]
+    top_k: int
+    window_s: float  # the window asked for
+    covered_s: float  # how far back `window` reaches now (less than window_s in the first window)
+    window: np.ndarray
+    total: np.ndarray
+
+    def tokens(self, counts: np.ndarray) -> np.ndarray:
+        """[L] tokens each layer routed: every token makes top_k (token, expert) pairs."""
+        return counts.sum(axis=1) // self.top_k
+
+    def balance(self, counts: np.ndarray, over: str) -> np.ndarray:
+        """[L] busiest expert's (or shard's) tokens over the mean; 1 is balanced; NaN for a layer
+        that routed nothing."""
+        assert over in BALANCE_OVER, over
+        if over == "shard":
+            shards = np.asarray(self.shards)
+            counts = np.stack([np.bincount(shards, weights=row, minlength=shards.max() + 1) for row in counts])
+        mean = counts.mean(axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(mean > 0, counts.max(axis=1) / mean, np.nan)
+
+    def top(self, counts: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The n busiest experts of each layer, ties to the lower id: ids [L, n] and the share of
+        the layer's tokens routed to each [L, n] (0 to 1; NaN for a layer that routed nothing)."""
+        ids = np.argsort(-counts, axis=1, kind="stable")[:, :n]
+        tokens = self.tokens(counts)[:, None]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return ids, np.where(tokens > 0, np.take_along_axis(counts, ids, axis=1) / tokens, np.nan)
+
+    def to_json(self) -> dict:
+        return {
+            "layers": list(self.layers), "shards": list(self.shards), "top_k": self.top_k,
+            "window_s": self.window_s, "covered_s": self.covered_s,
+            "window": self.window.tolist(), "total": self.total.tolist(),
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict) -> LoadView:
+        return cls(tuple(data["layers"]), tuple(data["shards"]), data["top_k"], data["window_s"], data["covered_s"],
+                   np.asarray(data["window"], dtype=np.int64), np.asarray(data["total"], dtype=np.int64))  # fmt: skip
+
+
+class ExpertLoad:
+    """The ring; fed from the MoE layers of the engine process (one at a time, also under ping-pong)."""
+
+    def __init__(self, layers: Sequence[int], shards: np.ndarray, top_k: int, window_s: float,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        assert window_s > 0, window_s
+        self.layers, self.shards, self.top_k, self.window_s = tuple(layers), shards, top_k, window_s
+        self.slots = {layer: i for i, layer in enumerate(self.layers)}  # model layer index -> row
+        self._ring = np.zeros((BUCKETS, len(self.layers), len(shards)), dtype=np.int64)
+        self._retired = np.zeros((len(self.layers), len(shards)), dtype=np.int64)  # buckets that left the ring
+        self._current = 0
+        self._bucket = self._ring[0]  # a view: add() writes through it
+        self._bucket_s = window_s / BUCKETS
+        self._clock = clock
+        self._started = self._bucket_start = clock()
+
+    def add(self, slot: int, expert_pairs: np.ndarray) -> None:
+        """slot: the layer's row (self.slots); expert_pairs: [E] int64, the layer call's tokens per expert."""
+        self._bucket[slot] += expert_pairs
+
+    def advance(self) -> bool:
+        """Move the ring to now; True when a bucket was started."""
+        elapsed = int((self._clock() - self._bucket_start) // self._bucket_s)
+        if elapsed <= 0:
+            return False
+        for _ in range(min(elapsed, BUCKETS)):
+            self._current = (self._current + 1) % BUCKETS
+            self._retired += self._ring[self._current]
+            self._ring[self._current] = 0
+        self._bucket = self._ring[self._current]
+        self._bucket_start += elapsed * self._bucket_s
+        return True
+
+    def view(self) -> LoadView:
+        now = self._clock()
+        window = self._ring.sum(axis=0)
+        covered = min((BUCKETS - 1) * self._bucket_s + now - self._bucket_start, now - self._started)
+        return LoadView(self.layers, tuple(self.shards.tolist()), self.top_k, self.window_s, covered,
+                        window, self._retired + window)  # fmt: skip
