@@ -17,7 +17,8 @@ One run, loopback only, every process started and stopped by the bench:
    rounds; throughput: the fastest of four).
 
 Workers and attention servers run with mutual TLS and the token, as `make up` runs them
-(benchmarks/bench_tls.py measures what that costs). Prints a table, writes JSON and a PNG next
+(benchmarks/bench_tls.py measures what that costs); --plaintext runs them without, as the floor
+runs, so that the ratios to the floor are the planes' own. Prints a table, writes JSON and a PNG next
 to it. Absolute times are this machine's; compare
 ratios from the same run.
 
@@ -444,6 +445,7 @@ def main() -> None:
     p.add_argument("--e2e-planes", default=",".join(E2E_PLANES), help="planes the end-to-end part runs the cluster on")
     p.add_argument("--skip-round-trips", action="store_true", help="only the end-to-end part")
     p.add_argument("--gpu", action="store_true", help="the W4A16 workers on cuda, Qwen3-30B-A3B shapes (see above)")
+    p.add_argument("--plaintext", action="store_true", help="workers and attention servers without TLS, as the floor")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -455,8 +457,9 @@ def main() -> None:
         print(f"\nwrote {a.out}")
         return
     model = tiny_models.make("qwen3_moe", tiny_models.default_model_dir())
+    tls_dir = None if a.plaintext else reuse_or_make(logs / "tls")
     spec = ClusterSpec(model=model, num_workers=NUM_WORKERS, http_port=0, host=HOST, run_dir=logs, worker_threads=1,
-                       **free_worker_ports(NUM_WORKERS), tls_dir=reuse_or_make(logs / "tls"))  # fmt: skip
+                       **free_worker_ports(NUM_WORKERS), tls_dir=tls_dir)  # fmt: skip
     procs: dict[str, subprocess.Popen] = {}
     try:
         for i in range(NUM_WORKERS):
@@ -484,6 +487,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, loopback",
         "date": time.strftime("%Y-%m-%d"),
         "row_width": WIDTH,
+        "security": Security.load(spec.tls_dir, "attention").describe(),
         "round_trips": rows,
         "end_to_end": e2e,
         "vllm_args": list(VLLM_ARGS),
