@@ -1,22 +1,24 @@
 """Triton kernels of the grouped W4A16 MoE: routing, gate_up + activation, then down + router weight.
 
 Layout (made by kernels.backends.triton_moe from the canonical one), per projection [E, N, K]:
-  w: [E, Np/BN, Kp/BK, BN, BK/4] int16: tiles of BN output rows x BK inputs, each tile one
-     contiguous block (a program's loads stream whole tiles). Np, Kp: N, K rounded up to BN, BK;
-     gate_up holds the gate rows then the up rows, each padded to Ip. Q = BK/4; element (n, c) of
-     tile (nb, b) holds the four nibbles of k = b*BK + i*Q + c, i = 0..3, nibble i in bits 4i..4i+3.
-     Two adjacent elements form one 32-bit register, so one lop3 turns nibble i of both into a
-     bf16x2/f16x2 pair: four registers per word, three shifts, no byte shuffles. Quarter i is its
-     own tl.dot with the matching Q columns of x (16-bit operands on both sides, ldmatrix-friendly).
+  w: [E, Np/TN, Kp/BK, TN, BK/4] int16: tiles of TN output rows x BK inputs, each tile one
+     contiguous block. Np, Kp: N, K rounded up to TN, BK; gate_up holds the gate rows then the up
+     rows, each padded to Ip. Q = BK/4; element (n, c) of tile (nb, b) holds the four nibbles of
+     k = b*BK + i*Q + c, i = 0..3, nibble i in bits 4i..4i+3. Two adjacent elements form one
+     32-bit register, so one lop3 turns nibble i of both into a bf16x2/f16x2 pair: four registers
+     per word, three shifts, no byte shuffles. Quarter i is its own tl.dot with the matching Q
+     columns of x (16-bit operands on both sides). A program's BLOCK_N rows are BLOCK_N / TN tiles.
   s: [E, Kp/G, Np] float32 signed scales (zero in the padding), N contiguous; the scale multiplies
      each group's fp32 partial dot, not the weights.
-Routing: route_kernel (one program) groups the pairs by expert: bounds [E+1], and per sorted
-position the row, pair index and router weight, so gate_up reads x rows with one indirection and
-down reads act rows contiguously; it also sorts the pairs by row for the combine. One program
-owns (expert e, BN output columns) and walks that expert's pairs in BLOCK_M chunks. down writes
-each pair's router-weighted row to its own row of a [P, H] fp32 buffer; combine_kernel sums a
-row's pairs in pair order. No float atomics: the output is bitwise the same run to run. gate_up
-also zeroes a slice of `out` (rows without pairs stay zero).
+Routing: a stable counting sort over many programs (digit_count_kernel, a cumsum, then
+digit_scatter_kernel, once per digit) groups the pairs by expert -- bounds [E+1], and per sorted
+position the row, pair index and router weight -- and, digit by digit, by row for the combine.
+Positions depend only on the inputs. GEMMs: each expert's pairs split into BLOCK_M-row blocks;
+one program owns (row block, BLOCK_N output columns), so a dequantized weight tile serves BLOCK_M
+rows (small BLOCK_M for decode, 64-128 for prefill). down writes each pair's router-weighted row
+to its own row of a [P, H] fp32 buffer; combine_kernel sums a row's pairs in pair order. No float
+atomics: the output is bitwise the same run to run. gate_up also zeroes a slice of `out` (rows
+without pairs stay zero).
 """
 from __future__ import annotations
 
@@ -83,37 +85,56 @@ def _split_quarters(w, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr):
 
 @triton.jit
 def _load_x(ptrs, row_mask, cols, K, EVEN_K: tl.constexpr):
-    """[BM, Q] activations; rows past the expert's pairs and columns past K read as 0."""
+    """Activations; rows past the block's pairs and columns past K read as 0 (masks broadcast)."""
     if EVEN_K:
-        return tl.load(ptrs, mask=row_mask[:, None], other=0.0)
-    return tl.load(ptrs, mask=row_mask[:, None] & (cols[None, :] < K), other=0.0)
+        return tl.load(ptrs, mask=row_mask, other=0.0)
+    return tl.load(ptrs, mask=row_mask & (cols < K), other=0.0)
 
 
 @triton.jit
-def _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_ptrs, b, stride_sg,
-                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """acc [BM, BN] += sum over quarters i of (x_i @ w_i) * scale of the quarter's group, in fp32.
+def _mm(x, w, acc, SWAP_AB: tl.constexpr):
+    """acc + x @ w, or with SWAP_AB acc^T + w^T @ x^T (x [Q, BM], w [BN, Q], acc [BN, BM]).
+
+    Swapped, the dequantized weights are the left operand, which Hopper's wgmma takes from registers.
+    """
+    if SWAP_AB:
+        return tl.dot(w, x, acc)
+    return tl.dot(x, w, acc)
+
+
+@triton.jit
+def _per_column(s, SWAP_AB: tl.constexpr):
+    """[BN] scales broadcast over the accumulator's output columns."""
+    if SWAP_AB:
+        return s[:, None]
+    return s[None, :]
+
+
+@triton.jit
+def _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_ptrs, n_ok, b, stride_sg,
+                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc += sum over quarters i of (x_i @ w_i) * scale of the quarter's group, in fp32.
 
     Quarter i of block b covers k in [b*BLOCK_K + i*Q, +Q), Q = BLOCK_K/4 <= GROUP.
     """
     if GROUP >= BLOCK_K:  # the whole block lies in one group
-        s = tl.load(s_ptrs + ((b * BLOCK_K) // GROUP) * stride_sg)
-        p = tl.dot(x3, w3, tl.dot(x2, w2, tl.dot(x1, w1, tl.dot(x0, w0))))
-        acc += p * s[None, :]
+        s = tl.load(s_ptrs + ((b * BLOCK_K) // GROUP) * stride_sg, mask=n_ok, other=0.0)
+        p = _mm(x3, w3, _mm(x2, w2, _mm(x1, w1, _mm(x0, w0, None, SWAP_AB), SWAP_AB), SWAP_AB), SWAP_AB)
+        acc += p * _per_column(s, SWAP_AB)
     elif GROUP * 2 == BLOCK_K:  # quarters 0-1 and 2-3
-        s0 = tl.load(s_ptrs + (2 * b) * stride_sg)
-        s1 = tl.load(s_ptrs + (2 * b + 1) * stride_sg)
-        acc += tl.dot(x1, w1, tl.dot(x0, w0)) * s0[None, :]
-        acc += tl.dot(x3, w3, tl.dot(x2, w2)) * s1[None, :]
+        s0 = tl.load(s_ptrs + (2 * b) * stride_sg, mask=n_ok, other=0.0)
+        s1 = tl.load(s_ptrs + (2 * b + 1) * stride_sg, mask=n_ok, other=0.0)
+        acc += _mm(x1, w1, _mm(x0, w0, None, SWAP_AB), SWAP_AB) * _per_column(s0, SWAP_AB)
+        acc += _mm(x3, w3, _mm(x2, w2, None, SWAP_AB), SWAP_AB) * _per_column(s1, SWAP_AB)
     else:  # GROUP * 4 == BLOCK_K: one group per quarter
-        s0 = tl.load(s_ptrs + (4 * b) * stride_sg)
-        s1 = tl.load(s_ptrs + (4 * b + 1) * stride_sg)
-        s2 = tl.load(s_ptrs + (4 * b + 2) * stride_sg)
-        s3 = tl.load(s_ptrs + (4 * b + 3) * stride_sg)
-        acc += tl.dot(x0, w0) * s0[None, :]
-        acc += tl.dot(x1, w1) * s1[None, :]
-        acc += tl.dot(x2, w2) * s2[None, :]
-        acc += tl.dot(x3, w3) * s3[None, :]
+        s0 = tl.load(s_ptrs + (4 * b) * stride_sg, mask=n_ok, other=0.0)
+        s1 = tl.load(s_ptrs + (4 * b + 1) * stride_sg, mask=n_ok, other=0.0)
+        s2 = tl.load(s_ptrs + (4 * b + 2) * stride_sg, mask=n_ok, other=0.0)
+        s3 = tl.load(s_ptrs + (4 * b + 3) * stride_sg, mask=n_ok, other=0.0)
+        acc += _mm(x0, w0, None, SWAP_AB) * _per_column(s0, SWAP_AB)
+        acc += _mm(x1, w1, None, SWAP_AB) * _per_column(s1, SWAP_AB)
+        acc += _mm(x2, w2, None, SWAP_AB) * _per_column(s2, SWAP_AB)
+        acc += _mm(x3, w3, None, SWAP_AB) * _per_column(s3, SWAP_AB)
     return acc
 
 
@@ -125,95 +146,197 @@ def _activate(x, ACTIVATION: tl.constexpr):
     return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
 
 
+# ---- routing: a stable counting sort, digit by digit, over many programs -------------------------
+
+
 @triton.jit
-def route_kernel(
-    experts_ptr, rows_ptr, weights_ptr, P,  # [P] local expert, row, router weight of each pair
-    bounds_ptr, srows_ptr, sweights_ptr, spairs_ptr,  # out: [E+1] int32; [P] row, fp32 weight, pair by expert
-    crows_ptr, cpairs_ptr,  # out: [P] int32 row and pair, sorted by (row, pair): the combine's order
-    E, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+def _digits(keys_ptr, offs, valid, shift, NUM_DIGITS: tl.constexpr):
+    """[BP] digit (key >> shift) % NUM_DIGITS of the keys at positions offs; padding lanes get NUM_DIGITS."""
+    key = tl.load(keys_ptr + offs, mask=valid, other=0).to(tl.int32)
+    return tl.where(valid, (key >> shift) & (NUM_DIGITS - 1), NUM_DIGITS)
+
+
+@triton.jit
+def digit_count_kernel(
+    keys_ptr, P, shift,  # [P] int keys, in the current order
+    counts_ptr, num_blocks,  # out: [1 + NUM_DIGITS * num_blocks] int32, [0] = 0, then counts digit-major
+    BLOCK_P: tl.constexpr, NUM_DIGITS: tl.constexpr,
 ):
-    """One program: pairs grouped by expert, and by row, both stable (ties in pair order).
+    """Program b counts each digit among positions [b*BLOCK_P, +BLOCK_P).
 
-    Both orders are sorts of key * BLOCK_P + pair index, so they depend only on the inputs. bounds
-    is first the per-expert counter (integer atomics: the counts are exact in any order), an
-    exclusive cumsum of the counts gives the starts. Callers keep rows * BLOCK_P below 2^31.
+    Digit-major counts make one exclusive cumsum give every (digit, block)'s first output position.
     """
-    offs = tl.arange(0, BLOCK_P)
-    valid = offs < P
-    ex = tl.load(experts_ptr + offs, mask=valid, other=0).to(tl.int32)
-    rows = tl.load(rows_ptr + offs, mask=valid, other=0).to(tl.int32)
-    offs_e = tl.arange(0, BLOCK_E)
-    tl.store(bounds_ptr + offs_e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=offs_e <= E)
-    tl.debug_barrier()
-    tl.atomic_add(bounds_ptr + ex, 1, mask=valid, sem="relaxed")  # the barrier orders them
-    tl.debug_barrier()
-    counts = tl.load(bounds_ptr + offs_e, mask=offs_e < E, other=0, volatile=True)
-    starts = tl.cumsum(counts, 0) - counts  # starts[E] = P
-    tl.debug_barrier()
-    tl.store(bounds_ptr + offs_e, starts, mask=offs_e <= E)
+    b = tl.program_id(0)
+    offs = b * BLOCK_P + tl.arange(0, BLOCK_P)
+    digit = _digits(keys_ptr, offs, offs < P, shift, NUM_DIGITS)  # [BP]
+    d = tl.arange(0, NUM_DIGITS)
+    counts = tl.sum((digit[:, None] == d[None, :]).to(tl.int32), axis=0)  # [ND]
+    tl.store(counts_ptr + 1 + d * num_blocks + b, counts)
+    tl.store(counts_ptr, 0, mask=b == 0)
 
-    last = 2147483647  # padding lanes sort after every pair
-    by_expert = tl.sort(tl.where(valid, ex * BLOCK_P + offs, last))  # [BLOCK_P]
-    pair = by_expert % BLOCK_P
-    tl.store(spairs_ptr + offs, pair, mask=valid)
-    tl.store(srows_ptr + offs, tl.load(rows_ptr + pair, mask=valid, other=0).to(tl.int32), mask=valid)
-    tl.store(sweights_ptr + offs, tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32), mask=valid)
-    by_row = tl.sort(tl.where(valid, rows * BLOCK_P + offs, last))  # [BLOCK_P]
-    tl.store(crows_ptr + offs, by_row // BLOCK_P, mask=valid)
-    tl.store(cpairs_ptr + offs, by_row % BLOCK_P, mask=valid)
+
+@triton.jit
+def digit_scatter_kernel(
+    keys_ptr, rows_ptr, items_ptr, weights_ptr, P, shift,  # [P] each, in the current order
+    starts_ptr, num_blocks,  # [1 + NUM_DIGITS * num_blocks] int32: cumsum of digit_count_kernel's counts
+    items_out, rows_out, weights_out,  # [P] out: pair index, row (and fp32 router weight), in the new order
+    BLOCK_P: tl.constexpr, NUM_DIGITS: tl.constexpr, FIRST: tl.constexpr, WEIGHTS: tl.constexpr,
+):
+    """Moves each position to its digit's run, keeping the current order within a digit (stable).
+
+    Position = the (digit, block) start + how many earlier positions of this block share the digit:
+    a function of the inputs only. FIRST: the current order is pair order (items_ptr unused).
+    """
+    b = tl.program_id(0)
+    idx = tl.arange(0, BLOCK_P)
+    offs = b * BLOCK_P + idx
+    valid = offs < P
+    digit = _digits(keys_ptr, offs, valid, shift, NUM_DIGITS)  # [BP]
+    earlier = (digit[:, None] == digit[None, :]) & (idx[None, :] < idx[:, None])  # [BP, BP]
+    rank = tl.sum(earlier.to(tl.int32), axis=1)  # [BP]
+    dest = tl.load(starts_ptr + digit * num_blocks + b, mask=valid, other=0) + rank
+    if FIRST:
+        item = offs
+    else:
+        item = tl.load(items_ptr + offs, mask=valid, other=0)
+    tl.store(items_out + dest, item, mask=valid)
+    tl.store(rows_out + dest, tl.load(rows_ptr + offs, mask=valid, other=0).to(tl.int32), mask=valid)
+    if WEIGHTS:
+        tl.store(weights_out + dest, tl.load(weights_ptr + item, mask=valid, other=0.0).to(tl.float32), mask=valid)
+
+
+# ---- the grouped GEMMs -------------------------------------------------------------------------------
+
+
+@triton.jit
+def _work_item(pid, num_n, num_m, bounds_ptr, stride_b, E,
+               BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program pid -> (expert, first sorted position, end of the expert's positions, column block).
+
+    Each expert's pairs split into BLOCK_M-row blocks, numbered expert by expert; num_m bounds their
+    count from above (cdiv(P, BLOCK_M) + experts with pairs), the programs past the last block get
+    expert E (no work). GROUP_M row blocks share each column block in turn (L2 reuse of x and w).
+    """
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    j = first_m + (pid % in_group) % size_m
+    nb = (pid % in_group) // size_m
+    offs_e = tl.arange(0, BLOCK_E)
+    lo = tl.load(bounds_ptr + offs_e * stride_b, mask=offs_e < E, other=0)
+    hi = tl.load(bounds_ptr + (offs_e + 1) * stride_b, mask=offs_e < E, other=0)
+    blocks = (hi - lo + BLOCK_M - 1) // BLOCK_M  # [BE] row blocks of each expert
+    done = tl.cumsum(blocks, 0)  # [BE] blocks up to and including each expert
+    e = tl.sum((done <= j).to(tl.int32), 0)
+    before = tl.sum(tl.where(offs_e < e, blocks, 0), 0)
+    start = tl.sum(tl.where(offs_e == e, lo, 0), 0)
+    end = tl.sum(tl.where(offs_e == e, hi, 0), 0)
+    return e, start + (j - before) * BLOCK_M, end, nb
+
+
+@triton.jit
+def _tile_offsets(nb, stride_wt, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, Q: tl.constexpr,
+                  SWAP_AB: tl.constexpr):
+    """Element offsets of output rows nb*BLOCK_N.. in k-block 0 ([BN, Q], or [Q, BN] unswapped) and
+    the rows' [BN] indices. A program's BLOCK_N rows span BLOCK_N / TILE_N stored tiles."""
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile = (offs_n // TILE_N) * stride_wt + (offs_n % TILE_N) * Q  # [BN]
+    offs_c = tl.arange(0, Q)
+    if SWAP_AB:
+        return tile[:, None] + offs_c[None, :], offs_n
+    return tile[None, :] + offs_c[:, None], offs_n
+
+
+@triton.jit
+def _load_w(ptrs, n_ok, SWAP_AB: tl.constexpr, EVEN_N: tl.constexpr):
+    """A weight tile; rows past the padded N (n_ok false) read as 0 unless every block is full (EVEN_N)."""
+    if EVEN_N:
+        return tl.load(ptrs)
+    if SWAP_AB:
+        return tl.load(ptrs, mask=n_ok[:, None], other=0)
+    return tl.load(ptrs, mask=n_ok[None, :], other=0)
+
+
+@triton.jit
+def _x_pointers(x_ptr, rows, stride_xt, m_mask, Q: tl.constexpr, SWAP_AB: tl.constexpr):
+    """Pointers to columns 0..Q of the given rows ([BM, Q], or [Q, BM] swapped), the broadcastable
+    row mask and column offsets for _load_x."""
+    offs_c = tl.arange(0, Q)
+    if SWAP_AB:
+        return x_ptr + rows[None, :] * stride_xt + offs_c[:, None], m_mask[None, :], offs_c[:, None]
+    return x_ptr + rows[:, None] * stride_xt + offs_c[None, :], m_mask[:, None], offs_c[None, :]
+
+
+@triton.jit
+def _x_quarters(x_base, row_mask, cols, b, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The four Q-column quarters of k-block b."""
+    Q: tl.constexpr = BLOCK_K // 4
+    k0 = b * BLOCK_K
+    x0 = _load_x(x_base + k0, row_mask, cols + k0, K, EVEN_K)
+    x1 = _load_x(x_base + k0 + Q, row_mask, cols + k0 + Q, K, EVEN_K)
+    x2 = _load_x(x_base + k0 + 2 * Q, row_mask, cols + k0 + 2 * Q, K, EVEN_K)
+    x3 = _load_x(x_base + k0 + 3 * Q, row_mask, cols + k0 + 3 * Q, K, EVEN_K)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _rows_major(acc, SWAP_AB: tl.constexpr):
+    """The accumulator as [BM, BN]."""
+    if SWAP_AB:
+        return tl.trans(acc)
+    return acc
 
 
 @triton.jit
 def gate_up_kernel(
     x_ptr, stride_xt,  # [T, H] fp16/bf16 hidden rows
-    srows_ptr, bounds_ptr,  # [P] int32 row of each sorted position, [E+1] int32
-    w_ptr, stride_we, stride_wt,  # [E, 2*Ip/BN, Hp/BK, BN, BK/4] int16: expert, row-tile strides
+    srows_ptr, bounds_ptr, stride_b,  # [P] int32 row of each sorted position, [E+1] int32 (strided)
+    w_ptr, stride_we, stride_wt,  # [E, 2*Ip/TN, Hp/BK, TN, BK/4] int16: expert, row-tile strides
     s_ptr, stride_se, stride_sg,  # [E, Hp/G, 2*Ip] fp32
     act_ptr, stride_at,  # [P, I] out: act(gate) * up, at each pair's sorted position
-    zero_ptr, zero_numel, zero_chunk,  # fp32 buffer this kernel zeroes (the down kernel's output)
-    I, Ip, H,
+    zero_ptr, zero_numel, zero_chunk,  # fp32 buffer this kernel zeroes (the combine's output)
+    num_n, num_m, E, I, Ip, H,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACTIVATION: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr,
-    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    ACTIVATION: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr, ZERO_BLOCK: tl.constexpr,
 ):
-    e = tl.program_id(0)
-    nb = tl.program_id(1)
-    # this program's slice of the output buffer
-    pid = e * tl.num_programs(1) + nb
-    z_end = tl.minimum(pid * zero_chunk + zero_chunk, zero_numel)
+    """One program: BLOCK_M sorted positions of one expert x BLOCK_N gate columns and their up columns."""
+    pid = tl.program_id(0)
+    z_end = tl.minimum(pid * zero_chunk + zero_chunk, zero_numel)  # this program's slice of the output
     for z in range(pid * zero_chunk, z_end, ZERO_BLOCK):
         offs_z = z + tl.arange(0, ZERO_BLOCK)
         tl.store(zero_ptr + offs_z, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=offs_z < z_end)
 
-    start = tl.load(bounds_ptr + e)
-    end = tl.load(bounds_ptr + e + 1)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] gate rows; up rows are + Ip
-    offs_c = tl.arange(0, BLOCK_K // 4)
-    in_tile = tl.arange(0, BLOCK_N)[None, :] * (BLOCK_K // 4) + offs_c[:, None]  # [Q, BN] within a tile
-    w_gate = w_ptr + e * stride_we + nb * stride_wt + in_tile
-    w_up = w_gate + (Ip // BLOCK_N) * stride_wt
-    s_gate = s_ptr + e * stride_se + offs_n  # [BN]
-    s_up = s_gate + Ip
-    for m0 in range(start, end, BLOCK_M):
+    e, m0, end, nb = _work_item(pid, num_n, num_m, bounds_ptr, stride_b, E, BLOCK_M, BLOCK_E, GROUP_M)
+    if e < E:
+        Q: tl.constexpr = BLOCK_K // 4
         offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM] sorted positions
         m_mask = offs_m < end
         rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
-        x_base = x_ptr + rows[:, None] * stride_xt + offs_c[None, :]  # [BM, Q]
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        x_base, row_mask, cols = _x_pointers(x_ptr, rows, stride_xt, m_mask, Q, SWAP_AB)
+        in_tile, offs_n = _tile_offsets(nb, stride_wt, BLOCK_N, TILE_N, Q, SWAP_AB)
+        n_ok = offs_n < Ip
+        w_gate = w_ptr + e.to(tl.int64) * stride_we + in_tile  # gate rows offs_n; up rows are + Ip
+        w_up = w_gate + (Ip // TILE_N) * stride_wt
+        s_gate = s_ptr + e.to(tl.int64) * stride_se + offs_n  # [BN]
+        s_up = s_gate + Ip
+        if SWAP_AB:
+            acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros_like(acc_gate)
         for b in tl.range(0, tl.cdiv(H, BLOCK_K), num_stages=NUM_STAGES):
-            wg = tl.load(w_gate + b * (BLOCK_N * BLOCK_K // 4))
-            wu = tl.load(w_up + b * (BLOCK_N * BLOCK_K // 4))
-            k0 = b * BLOCK_K + offs_c
-            x0 = _load_x(x_base + b * BLOCK_K, m_mask, k0, H, EVEN_K)
-            x1 = _load_x(x_base + b * BLOCK_K + BLOCK_K // 4, m_mask, k0 + BLOCK_K // 4, H, EVEN_K)
-            x2 = _load_x(x_base + b * BLOCK_K + 2 * (BLOCK_K // 4), m_mask, k0 + 2 * (BLOCK_K // 4), H, EVEN_K)
-            x3 = _load_x(x_base + b * BLOCK_K + 3 * (BLOCK_K // 4), m_mask, k0 + 3 * (BLOCK_K // 4), H, EVEN_K)
+            wg = _load_w(w_gate + b * (TILE_N * Q), n_ok, SWAP_AB, EVEN_N)
+            wu = _load_w(w_up + b * (TILE_N * Q), n_ok, SWAP_AB, EVEN_N)
+            x0, x1, x2, x3 = _x_quarters(x_base, row_mask, cols, b, H, BLOCK_K, EVEN_K)
             g0, g1, g2, g3 = _split_quarters(wg, IS_BF16, USE_PTX)
             u0, u1, u2, u3 = _split_quarters(wu, IS_BF16, USE_PTX)
-            acc_gate = _scaled_block(acc_gate, x0, x1, x2, x3, g0, g1, g2, g3, s_gate, b, stride_sg, BLOCK_K, GROUP)
-            acc_up = _scaled_block(acc_up, x0, x1, x2, x3, u0, u1, u2, u3, s_up, b, stride_sg, BLOCK_K, GROUP)
-        y = _activate(acc_gate, ACTIVATION) * acc_up  # [BM, BN] fp32
+            acc_gate = _scaled_block(acc_gate, x0, x1, x2, x3, g0, g1, g2, g3, s_gate, n_ok, b, stride_sg,
+                                     BLOCK_K, GROUP, SWAP_AB)
+            acc_up = _scaled_block(acc_up, x0, x1, x2, x3, u0, u1, u2, u3, s_up, n_ok, b, stride_sg,
+                                   BLOCK_K, GROUP, SWAP_AB)
+        y = _rows_major(_activate(acc_gate, ACTIVATION) * acc_up, SWAP_AB)  # [BM, BN] fp32
         out = act_ptr + offs_m[:, None] * stride_at + offs_n[None, :]
         tl.store(out, y.to(act_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n[None, :] < I))
 
@@ -221,28 +344,26 @@ def gate_up_kernel(
 @triton.jit
 def down_kernel(
     act_ptr, stride_at,  # [P, I] fp16/bf16, sorted positions
-    spairs_ptr, sweights_ptr, bounds_ptr,  # [P] int32 pair index, [P] fp32 router weights (sorted), [E+1]
-    w_ptr, stride_we, stride_wt,  # [E, Hp/BN, Ip/BK, BN, BK/4] int16
+    spairs_ptr, sweights_ptr, bounds_ptr, stride_b,  # [P] int32 pair index, [P] fp32 router weight, [E+1]
+    w_ptr, stride_we, stride_wt,  # [E, Hp/TN, Ip/BK, TN, BK/4] int16
     s_ptr, stride_se, stride_sg,  # [E, Ip/G, Hp] fp32
     part_ptr, stride_pp,  # [P, H] fp32 out: each pair's router-weighted row, at its pair index
-    H, I,
+    num_n, num_m, E, H, Hp, I,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    e = tl.program_id(0)
-    nb = tl.program_id(1)
-    start = tl.load(bounds_ptr + e)
-    end = tl.load(bounds_ptr + e + 1)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    offs_c = tl.arange(0, BLOCK_K // 4)
-    in_tile = tl.arange(0, BLOCK_N)[None, :] * (BLOCK_K // 4) + offs_c[:, None]  # [Q, BN]
-    w_base = w_ptr + e * stride_we + nb * stride_wt + in_tile
-    s_base = s_ptr + e * stride_se + offs_n
-    for m0 in range(start, end, BLOCK_M):
+    """One program: BLOCK_M sorted positions of one expert x BLOCK_N output columns."""
+    e, m0, end, nb = _work_item(tl.program_id(0), num_n, num_m, bounds_ptr, stride_b, E, BLOCK_M, BLOCK_E, GROUP_M)
+    if e < E:
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < end
-        acc = down_rows(act_ptr, stride_at, offs_m, m_mask, offs_c, w_base, s_base, stride_sg, I,
-                        GROUP, BLOCK_K, BLOCK_M, BLOCK_N, IS_BF16, USE_PTX, EVEN_K, NUM_STAGES)
+        in_tile, offs_n = _tile_offsets(nb, stride_wt, BLOCK_N, TILE_N, BLOCK_K // 4, SWAP_AB)
+        acc = down_rows(act_ptr, stride_at, offs_m, m_mask, w_ptr + e.to(tl.int64) * stride_we + in_tile,
+                        s_ptr + e.to(tl.int64) * stride_se + offs_n, offs_n < Hp, stride_sg, I,
+                        GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N, IS_BF16, USE_PTX, SWAP_AB, EVEN_K, EVEN_N,
+                        NUM_STAGES)
         pairs = tl.load(spairs_ptr + offs_m, mask=m_mask, other=0)
         router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)  # [BM]
         out = part_ptr + pairs[:, None] * stride_pp + offs_n[None, :]
@@ -251,23 +372,25 @@ def down_kernel(
 
 @triton.jit
 def down_rows(
-    act_ptr, stride_at, offs_m, m_mask, offs_c, w_base, s_base, stride_sg, I,
+    act_ptr, stride_at, offs_m, m_mask, w_base, s_base, n_ok, stride_sg, I,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    TILE_N: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """[BM, BN] fp32: act rows offs_m (sorted positions) @ one expert's BN-row weight tile."""
-    a_base = act_ptr + offs_m[:, None] * stride_at + offs_c[None, :]  # [BM, Q]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    """[BM, BN] fp32: act rows offs_m (sorted positions) @ one expert's BN weight rows (w_base: _tile_offsets;
+    n_ok: rows below the padded N)."""
+    Q: tl.constexpr = BLOCK_K // 4
+    a_base, row_mask, cols = _x_pointers(act_ptr, offs_m, stride_at, m_mask, Q, SWAP_AB)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for b in tl.range(0, tl.cdiv(I, BLOCK_K), num_stages=NUM_STAGES):
-        w = tl.load(w_base + b * (BLOCK_N * BLOCK_K // 4))
-        k0 = b * BLOCK_K + offs_c
-        x0 = _load_x(a_base + b * BLOCK_K, m_mask, k0, I, EVEN_K)
-        x1 = _load_x(a_base + b * BLOCK_K + BLOCK_K // 4, m_mask, k0 + BLOCK_K // 4, I, EVEN_K)
-        x2 = _load_x(a_base + b * BLOCK_K + 2 * (BLOCK_K // 4), m_mask, k0 + 2 * (BLOCK_K // 4), I, EVEN_K)
-        x3 = _load_x(a_base + b * BLOCK_K + 3 * (BLOCK_K // 4), m_mask, k0 + 3 * (BLOCK_K // 4), I, EVEN_K)
+        w = _load_w(w_base + b * (TILE_N * Q), n_ok, SWAP_AB, EVEN_N)
+        x0, x1, x2, x3 = _x_quarters(a_base, row_mask, cols, b, I, BLOCK_K, EVEN_K)
         w0, w1, w2, w3 = _split_quarters(w, IS_BF16, USE_PTX)
-        acc = _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_base, b, stride_sg, BLOCK_K, GROUP)
-    return acc
+        acc = _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_base, n_ok, b, stride_sg, BLOCK_K, GROUP, SWAP_AB)
+    return _rows_major(acc, SWAP_AB)
 
 
 @triton.jit

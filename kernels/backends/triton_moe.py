@@ -1,7 +1,7 @@
-"""Triton backend: grouped W4A16 MoE on CUDA and ROCm (gfx11) GPUs, four launches per layer.
+"""Triton backend: grouped W4A16 MoE on CUDA and ROCm (gfx11) GPUs, routing, then three launches per layer.
 
-    route_kernel:   pairs grouped by expert and by row -> Routes  (one program; torch.sort above
-                    ROUTE_MAX_PAIRS)
+    routing:        pairs grouped by expert and by row -> Routes  (stable counting sorts:
+                    digit_count_kernel, cumsum, digit_scatter_kernel per digit)
     gate_up_kernel: x[rows] @ w13[e]^T -> act(gate) * up          [P, I]  (fp16/bf16); zeroes out
     down_kernel:    act @ w2[e]^T * router weight -> pair rows     [P, H]  (fp32)
     combine_kernel: each row's pair rows summed in pair order       [T, H]  (fp32)
@@ -20,22 +20,28 @@ from kernels.backends.base import ExpertBackend, PreparedExperts, Support, symme
 from kernels.quant import Int4Weights, QuantScheme, W4A16ExpertWeights, unpack_int4
 
 GROUP_SIZES = (32, 64, 128, 256)
+BLOCK_KS = (64, 128)
+COMBINE_BLOCK_R, COMBINE_BLOCK_N = 16, 256  # pairs a combine program adds per step, columns it owns
+RADIX_BITS = 8  # at most 2^8 digits per routing pass over rows
 
 
 @dataclass(frozen=True, slots=True)
 class TritonConfig:
     """Launch parameters; `for_load` picks them from the average pairs per expert.
 
-    block_k, block_n_gate_up and block_n_down are also the weight tiles: TritonExperts packs for
-    them. num_warps_down / num_stages_down default to num_warps / num_stages.
+    tile_n_gate_up, tile_n_down and block_k are the stored weight tiles (TritonExperts packs for
+    them); a program owns block_m sorted positions of one expert x block_n_* output columns, a
+    multiple of the tile. swap_ab computes w @ x^T (the dequantized weights as the left operand).
+    group_m row blocks take each column block in turn. num_warps_down / num_stages_down default to
+    num_warps / num_stages.
 
-    H200, Qwen3-30B-A3B shapes, graph time at 1 / 8 tokens per expert (bench_kernel --sweep, two
-    runs): this default 101-102 / 108-111 us; 4 stages 105 / 113, 5 stages 109 / 118, 2 stages
-    119 / 128; down tiles of 64 rows 111 / 120, of 256 rows with 8 warps 107 / 114; gate_up tiles
-    of 32 rows 118 / 127, of 128 rows with 8 warps 108 / 116; 8 warps 128 / 135; block_k 64
-    124 / 132; Triton instead of PTX dequant 147 / 152; block_m 32 140 / 145 but 320 against
-    435 us at 64 tokens per expert (hence for_load). Programs streaming 2 to 8 row tiles back to
-    back in one flattened loop measured 104-120 / 108-125 us, so one tile per program stays.
+    Decode (<= 16 pairs per expert), H200, Qwen3-30B-A3B shapes, graph time at 1 / 8 tokens per
+    expert (bench_kernel --sweep, two runs, 2026-11-29): this default 101-102 / 108-111 us; 4 stages
+    105 / 113, 5 stages 109 / 118, 2 stages 119 / 128; down tiles of 64 rows 111 / 120, of 256 rows
+    with 8 warps 107 / 114; gate_up tiles of 32 rows 118 / 127, of 128 rows with 8 warps 108 / 116;
+    8 warps 128 / 135; block_k 64 124 / 132; Triton instead of PTX dequant 147 / 152. Programs
+    streaming 2 to 8 row tiles back to back in one flattened loop measured 104-120 / 108-125 us.
+    The prefill configurations of for_load are not yet measured (bench_kernel --sweep prints them).
     """
 
     block_m: int = 16
@@ -47,11 +53,32 @@ class TritonConfig:
     block_k: int = 128
     num_warps_down: int | None = None
     num_stages_down: int | None = None
+    swap_ab: bool = False
+    group_m: int = 8
+    tile_n_gate_up: int = 64
+    tile_n_down: int = 128
+
+    def __post_init__(self) -> None:
+        if self.block_k not in BLOCK_KS:
+            raise ValueError(f"block_k must be one of {BLOCK_KS}, not {self.block_k}")
+        if self.block_m < 16 or self.block_m & (self.block_m - 1):
+            raise ValueError(f"block_m must be a power of two >= 16, not {self.block_m}")
+        for block, tile in ((self.block_n_gate_up, self.tile_n_gate_up), (self.block_n_down, self.tile_n_down)):
+            if tile < 16 or tile & (tile - 1) or block % tile or block & (block - 1):
+                raise ValueError(f"block_n {block} must be a power-of-two multiple of its tile {tile} (>= 16)")
+        if self.group_m < 1:
+            raise ValueError(f"group_m must be >= 1, not {self.group_m}")
 
     @classmethod
     def for_load(cls, num_pairs: int, num_experts: int) -> TritonConfig:
+        """Decode tiles up to 16 pairs per expert; then rows of 32; from 48 the prefill tiles."""
         per_expert = -(-num_pairs // num_experts)
-        return cls() if per_expert <= 16 else cls(block_m=32)
+        if per_expert <= 16:
+            return cls()
+        if per_expert < 48:
+            return cls(block_m=32)
+        return cls(block_m=64 if per_expert < 192 else 128, block_n_gate_up=128, block_n_down=128,
+                   num_warps=8, num_stages=3, swap_ab=True)
 
 
 class TritonBackend(ExpertBackend):
@@ -73,11 +100,6 @@ class TritonBackend(ExpertBackend):
         return TritonExperts(weights, activation, device)
 
 
-ROUTE_MAX_PAIRS = 8192  # more pairs: torch sort instead of the one-program route kernel
-BLOCK_KS = (64, 128)
-COMBINE_BLOCK_R, COMBINE_BLOCK_N = 16, 256  # pairs a combine program adds per step, columns it owns
-
-
 @dataclass(frozen=True, slots=True)
 class Routes:
     """The pairs in two stable orders (ties keep pair order), both on the device.
@@ -87,7 +109,7 @@ class Routes:
     cpairs, sorted by (row, pair index), the order combine_kernel adds a row's pairs in.
     """
 
-    bounds: torch.Tensor  # [E+1] int32
+    bounds: torch.Tensor  # [E+1] int32, a strided view (kernels take its stride)
     rows: torch.Tensor  # [P] int32
     router: torch.Tensor  # [P] fp32
     pairs: torch.Tensor  # [P] int32
@@ -146,36 +168,48 @@ class TritonExperts(PreparedExperts):
         self.num_experts = weights.num_experts
         self.hidden_size = weights.hidden_size
         self.intermediate_size = weights.intermediate_size
-        layout = config or TritonConfig()
-        self.w13 = TritonProjection.from_int4(weights.w13, device, layout.block_k, layout.block_n_gate_up, parts=2)
-        self.w2 = TritonProjection.from_int4(weights.w2, device, layout.block_k, layout.block_n_down)
+        layout = config or TritonConfig()  # for_load's configurations use the default tiles
+        self.w13 = TritonProjection.from_int4(weights.w13, device, layout.block_k, layout.tile_n_gate_up, parts=2)
+        self.w2 = TritonProjection.from_int4(weights.w2, device, layout.block_k, layout.tile_n_down)
         self.config = config
 
     def route(self, pair_rows, pair_experts, pair_weights, num_rows: int) -> Routes:
-        """Pairs grouped by expert and by row (rows in [0, num_rows))."""
+        """Pairs grouped by expert and by row (rows in [0, num_rows)): stable counting sorts.
+
+        By expert: one pass over next_pow2(E) digits. By row: LSD passes of up to RADIX_BITS bits.
+        """
         e, p, dev = self.num_experts, pair_rows.numel(), pair_rows.device
-        block_p = max(16, _next_pow2(p))
-        if p > ROUTE_MAX_PAIRS or num_rows * block_p >= 2**31:  # the route kernel's keys are int32
-            by_expert = torch.sort(pair_experts, stable=True)
-            experts = torch.arange(e + 1, device=dev, dtype=by_expert.values.dtype)
-            bounds = torch.searchsorted(by_expert.values, experts).to(torch.int32)
-            by_row = torch.sort(pair_rows, stable=True)
-            order = by_expert.indices
-            return Routes(
-                bounds, pair_rows[order].to(torch.int32), pair_weights[order].to(torch.float32),
-                order.to(torch.int32), by_row.values.to(torch.int32), by_row.indices.to(torch.int32),
-            )
-        out = Routes(
-            torch.empty(e + 1, dtype=torch.int32, device=dev),
-            *(torch.empty(p, dtype=dtype, device=dev) for dtype in (torch.int32, torch.float32, torch.int32,
-                                                                    torch.int32, torch.int32)),
+        pairs, rows = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(2))
+        router = torch.empty(p, dtype=torch.float32, device=dev)
+        digits = max(2, _next_pow2(e))
+        starts, blocks = self._digit_pass(pair_experts, pair_rows, None, pair_weights, 0, digits, pairs, rows, router)
+        bounds = starts[::blocks][: e + 1]  # [E+1] int32, strided: expert d's run starts at block 0's start
+        bits = max(1, (num_rows - 1).bit_length())
+        passes = _cdiv(bits, RADIX_BITS)
+        width = _cdiv(bits, passes)
+        keys, items = pair_rows, None
+        for i in range(passes):
+            out_items, out_rows = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(2))
+            self._digit_pass(keys, keys, items, None, i * width, 1 << width, out_items, out_rows, None)
+            keys, items = out_rows, out_items
+        return Routes(bounds, rows, router, pairs, keys, items)
+
+    def _digit_pass(self, keys, rows, items, weights, shift, digits, items_out, rows_out, weights_out):
+        """One stable counting-sort pass on digit (keys >> shift) % digits: count, cumsum, scatter.
+
+        items None: the current order is pair order. -> (starts [1 + digits * blocks] int32, blocks)
+        """
+        p = keys.numel()
+        block_p = min(256, max(16, 32768 // digits))
+        blocks = _cdiv(p, block_p)
+        counts = torch.empty(1 + digits * blocks, dtype=torch.int32, device=keys.device)
+        self.kernels.digit_count_kernel[(blocks,)](keys, p, shift, counts, blocks, BLOCK_P=block_p, NUM_DIGITS=digits)
+        starts = torch.cumsum(counts, 0, dtype=torch.int32)  # integers: the same sum in any order
+        self.kernels.digit_scatter_kernel[(blocks,)](
+            keys, rows, items, weights, p, shift, starts, blocks, items_out, rows_out, weights_out,
+            BLOCK_P=block_p, NUM_DIGITS=digits, FIRST=items is None, WEIGHTS=weights is not None,
         )
-        self.kernels.route_kernel[(1,)](
-            pair_experts, pair_rows, pair_weights, p, out.bounds, out.rows, out.router, out.pairs,
-            out.crows, out.cpairs, e,
-            BLOCK_P=block_p, BLOCK_E=_next_pow2(e + 1), num_warps=min(16, max(4, block_p // 256)),
-        )
-        return out
+        return starts, blocks
 
     def __call__(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
         x = hidden if hidden.dtype in (torch.float16, torch.bfloat16) else hidden.to(torch.bfloat16)
@@ -183,32 +217,38 @@ class TritonExperts(PreparedExperts):
         num_pairs = pair_rows.numel()
         if num_pairs == 0:
             return torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
-        cfg = self.config or TritonConfig.for_load(num_pairs, self.num_experts)  # same tiles as the default
+        cfg = self.config or TritonConfig.for_load(num_pairs, self.num_experts)
         routes = self.route(pair_rows, pair_experts, pair_weights, x.shape[0])
-        act, out = self.gate_up(x, routes.bounds, routes.rows, cfg)
+        act, out = self.gate_up(x, routes, cfg)
         self.combine(self.down(act, routes, cfg), routes, out)
         return out
 
-    def gate_up(self, x, bounds, rows, cfg: TritonConfig):
-        """-> act [P, I] in x's dtype (sorted positions), out [T, H] fp32 zeroed for `down`."""
+    def _row_blocks(self, num_pairs: int, cfg: TritonConfig) -> int:
+        """An upper bound on the BLOCK_M-row blocks of all experts (one partial block per expert)."""
+        return _cdiv(num_pairs, cfg.block_m) + min(self.num_experts, num_pairs)
+
+    def gate_up(self, x, routes: Routes, cfg: TritonConfig):
+        """-> act [P, I] in x's dtype (sorted positions), out [T, H] fp32 zeroed for `combine`."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        act = torch.empty(rows.numel(), i, dtype=x.dtype, device=x.device)  # [P, I]
+        act = torch.empty(routes.rows.numel(), i, dtype=x.dtype, device=x.device)  # [P, I]
         out = torch.empty(x.shape[0], h, dtype=torch.float32, device=x.device)  # [T, H], zeroed by gate_up
         w13 = self.w13
-        grid = (e, w13.padded_rows // w13.block_n)
-        zero_chunk = _cdiv(_cdiv(out.numel(), grid[0] * grid[1]), 64) * 64
-        self.kernels.gate_up_kernel[grid](
+        num_n, num_m = _cdiv(w13.padded_rows, cfg.block_n_gate_up), self._row_blocks(act.shape[0], cfg)
+        programs = num_n * num_m
+        zero_chunk = _cdiv(_cdiv(out.numel(), programs), 64) * 64
+        self.kernels.gate_up_kernel[(programs,)](
             x, x.stride(0),
-            rows, bounds,
+            routes.rows, routes.bounds, routes.bounds.stride(0),
             w13.w, w13.w.stride(0), w13.w.stride(1),
             w13.s, w13.s.stride(0), w13.s.stride(1),
             act, act.stride(0),
             out, out.numel(), zero_chunk,
-            i, w13.padded_rows, h,
-            GROUP=w13.group_size, BLOCK_K=w13.block_k, BLOCK_M=cfg.block_m, BLOCK_N=w13.block_n,
+            num_n, num_m, e, i, w13.padded_rows, h,
+            GROUP=w13.group_size, BLOCK_K=w13.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up,
+            TILE_N=w13.block_n, GROUP_M=cfg.group_m, BLOCK_E=max(2, _next_pow2(e)),
             ACTIVATION=self.activation, IS_BF16=x.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, x),
-            EVEN_K=h % w13.block_k == 0, NUM_STAGES=cfg.num_stages, ZERO_BLOCK=1024,
-            num_warps=cfg.num_warps,
+            SWAP_AB=cfg.swap_ab, EVEN_K=h % w13.block_k == 0, EVEN_N=w13.padded_rows % cfg.block_n_gate_up == 0,
+            NUM_STAGES=cfg.num_stages, ZERO_BLOCK=1024, num_warps=cfg.num_warps,
         )
         return act, out
 
@@ -217,17 +257,19 @@ class TritonExperts(PreparedExperts):
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         w2 = self.w2
         part = torch.empty(act.shape[0], h, dtype=torch.float32, device=act.device)  # [P, H]
-        self.kernels.down_kernel[(e, w2.padded_rows // w2.block_n)](
+        num_n, num_m = _cdiv(w2.padded_rows, cfg.block_n_down), self._row_blocks(act.shape[0], cfg)
+        self.kernels.down_kernel[(num_n * num_m,)](
             act, act.stride(0),
-            routes.pairs, routes.router, routes.bounds,
+            routes.pairs, routes.router, routes.bounds, routes.bounds.stride(0),
             w2.w, w2.w.stride(0), w2.w.stride(1),
             w2.s, w2.s.stride(0), w2.s.stride(1),
             part, part.stride(0),
-            h, i,
-            GROUP=w2.group_size, BLOCK_K=w2.block_k, BLOCK_M=cfg.block_m, BLOCK_N=w2.block_n,
-            IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), EVEN_K=i % w2.block_k == 0,
-            NUM_STAGES=cfg.num_stages_down or cfg.num_stages,
-            num_warps=cfg.num_warps_down or cfg.num_warps,
+            num_n, num_m, e, h, w2.padded_rows, i,
+            GROUP=w2.group_size, BLOCK_K=w2.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
+            TILE_N=w2.block_n, GROUP_M=cfg.group_m, BLOCK_E=max(2, _next_pow2(e)),
+            IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), SWAP_AB=cfg.swap_ab,
+            EVEN_K=i % w2.block_k == 0, EVEN_N=w2.padded_rows % cfg.block_n_down == 0,
+            NUM_STAGES=cfg.num_stages_down or cfg.num_stages, num_warps=cfg.num_warps_down or cfg.num_warps,
         )
         return part
 
