@@ -32,8 +32,8 @@ def atomic_down_kernel(
     stride_se, stride_sg, out_ptr, stride_ot, num_n, num_m, E, H, Hp, I,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, IS_BF16: tl.constexpr,
-    USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr, SCALE_W: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """The pre-issue-11 down_kernel: out[row] += router * (act @ w2^T) with float atomics."""
     e, m0, end, nb = triton_w4a16._work_item(tl.program_id(0), num_n, num_m, bounds_ptr, stride_b, E,
@@ -45,7 +45,7 @@ def atomic_down_kernel(
         acc = triton_w4a16.down_rows(
             act_ptr, stride_at, offs_m, m_mask, w_ptr + e.to(tl.int64) * stride_we + in_tile,
             s_ptr + e.to(tl.int64) * stride_se + offs_n, offs_n < Hp, stride_sg, I,
-            GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N, IS_BF16, USE_PTX, SWAP_AB, EVEN_K, EVEN_N, NUM_STAGES)
+            GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES)
         rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
         router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)
         out = out_ptr + rows[:, None] * stride_ot + offs_n[None, :]
@@ -69,7 +69,7 @@ class AtomicTritonExperts(TritonExperts):
             GROUP=w2.group_size, BLOCK_K=w2.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
             TILE_N=w2.block_n, GROUP_M=cfg.group_m, BLOCK_E=max(2, 1 << (e - 1).bit_length()),
             IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), SWAP_AB=cfg.swap_ab,
-            EVEN_K=self.intermediate_size % w2.block_k == 0, EVEN_N=w2.padded_rows % cfg.block_n_down == 0,
+            SCALE_W=cfg.scale_weights, EVEN_K=self.intermediate_size % w2.block_k == 0, EVEN_N=w2.padded_rows % cfg.block_n_down == 0,
             NUM_STAGES=cfg.num_stages_down or cfg.num_stages, num_warps=cfg.num_warps_down or cfg.num_warps,
         )
         return out

@@ -92,22 +92,36 @@ def _load_x(ptrs, row_mask, cols, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _mm(x, w, acc, SWAP_AB: tl.constexpr):
-    """acc + x @ w, or with SWAP_AB acc^T + w^T @ x^T (x [Q, BM], w [BN, Q], acc [BN, BM]).
+def _mm(x, w, SWAP_AB: tl.constexpr):
+    """x @ w, or with SWAP_AB its transpose w @ x (x [Q, BM], w [BN, Q]).
 
     Swapped, the dequantized weights are the left operand, which Hopper's wgmma takes from registers.
     """
     if SWAP_AB:
-        return tl.dot(w, x, acc)
-    return tl.dot(x, w, acc)
+        p = tl.dot(w, x)
+    else:
+        p = tl.dot(x, w)
+    return p
+
+
+@triton.jit
+def _mma(x, w, acc, SWAP_AB: tl.constexpr):
+    """acc + _mm(x, w)."""
+    if SWAP_AB:
+        p = tl.dot(w, x, acc)
+    else:
+        p = tl.dot(x, w, acc)
+    return p
 
 
 @triton.jit
 def _per_column(s, SWAP_AB: tl.constexpr):
     """[BN] scales broadcast over the accumulator's output columns."""
     if SWAP_AB:
-        return s[:, None]
-    return s[None, :]
+        cols = s[:, None]
+    else:
+        cols = s[None, :]
+    return cols
 
 
 @triton.jit
@@ -119,23 +133,74 @@ def _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_ptrs, n_ok, b, stride_s
     """
     if GROUP >= BLOCK_K:  # the whole block lies in one group
         s = tl.load(s_ptrs + ((b * BLOCK_K) // GROUP) * stride_sg, mask=n_ok, other=0.0)
-        p = _mm(x3, w3, _mm(x2, w2, _mm(x1, w1, _mm(x0, w0, None, SWAP_AB), SWAP_AB), SWAP_AB), SWAP_AB)
+        p = _mma(x3, w3, _mma(x2, w2, _mma(x1, w1, _mm(x0, w0, SWAP_AB), SWAP_AB), SWAP_AB), SWAP_AB)
         acc += p * _per_column(s, SWAP_AB)
     elif GROUP * 2 == BLOCK_K:  # quarters 0-1 and 2-3
         s0 = tl.load(s_ptrs + (2 * b) * stride_sg, mask=n_ok, other=0.0)
         s1 = tl.load(s_ptrs + (2 * b + 1) * stride_sg, mask=n_ok, other=0.0)
-        acc += _mm(x1, w1, _mm(x0, w0, None, SWAP_AB), SWAP_AB) * _per_column(s0, SWAP_AB)
-        acc += _mm(x3, w3, _mm(x2, w2, None, SWAP_AB), SWAP_AB) * _per_column(s1, SWAP_AB)
+        acc += _mma(x1, w1, _mm(x0, w0, SWAP_AB), SWAP_AB) * _per_column(s0, SWAP_AB)
+        acc += _mma(x3, w3, _mm(x2, w2, SWAP_AB), SWAP_AB) * _per_column(s1, SWAP_AB)
     else:  # GROUP * 4 == BLOCK_K: one group per quarter
         s0 = tl.load(s_ptrs + (4 * b) * stride_sg, mask=n_ok, other=0.0)
         s1 = tl.load(s_ptrs + (4 * b + 1) * stride_sg, mask=n_ok, other=0.0)
         s2 = tl.load(s_ptrs + (4 * b + 2) * stride_sg, mask=n_ok, other=0.0)
         s3 = tl.load(s_ptrs + (4 * b + 3) * stride_sg, mask=n_ok, other=0.0)
-        acc += _mm(x0, w0, None, SWAP_AB) * _per_column(s0, SWAP_AB)
-        acc += _mm(x1, w1, None, SWAP_AB) * _per_column(s1, SWAP_AB)
-        acc += _mm(x2, w2, None, SWAP_AB) * _per_column(s2, SWAP_AB)
-        acc += _mm(x3, w3, None, SWAP_AB) * _per_column(s3, SWAP_AB)
+        acc += _mm(x0, w0, SWAP_AB) * _per_column(s0, SWAP_AB)
+        acc += _mm(x1, w1, SWAP_AB) * _per_column(s1, SWAP_AB)
+        acc += _mm(x2, w2, SWAP_AB) * _per_column(s2, SWAP_AB)
+        acc += _mm(x3, w3, SWAP_AB) * _per_column(s3, SWAP_AB)
     return acc
+
+
+@triton.jit
+def _weight_scale(s_ptrs, n_ok, group, stride_sg, dtype: tl.constexpr, SWAP_AB: tl.constexpr):
+    """One group's [BN] scales in the weights' dtype, shaped to multiply a weight tile."""
+    s = tl.load(s_ptrs + group * stride_sg, mask=n_ok, other=0.0).to(dtype)
+    if SWAP_AB:
+        tile = s[:, None]
+    else:
+        tile = s[None, :]
+    return tile
+
+
+@triton.jit
+def _scaled_weights_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_ptrs, n_ok, b, stride_sg,
+                          BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc += sum over quarters i of x_i @ (w_i * scale of the quarter's group).
+
+    The scale multiplies the 16-bit weights (one more rounding, as vLLM's kernel does), so the four
+    dots accumulate straight into acc and the MMAs can run asynchronously across k-blocks: the
+    prefill form. _scaled_block keeps each group's partial in fp32 instead.
+    """
+    s0 = _weight_scale(s_ptrs, n_ok, (b * BLOCK_K) // GROUP, stride_sg, w0.dtype, SWAP_AB)
+    if GROUP >= BLOCK_K:
+        s1 = s0
+        s2 = s0
+        s3 = s0
+    elif GROUP * 2 == BLOCK_K:
+        s1 = s0
+        s2 = _weight_scale(s_ptrs, n_ok, 2 * b + 1, stride_sg, w0.dtype, SWAP_AB)
+        s3 = s2
+    else:
+        s1 = _weight_scale(s_ptrs, n_ok, 4 * b + 1, stride_sg, w0.dtype, SWAP_AB)
+        s2 = _weight_scale(s_ptrs, n_ok, 4 * b + 2, stride_sg, w0.dtype, SWAP_AB)
+        s3 = _weight_scale(s_ptrs, n_ok, 4 * b + 3, stride_sg, w0.dtype, SWAP_AB)
+    acc = _mma(x0, w0 * s0, acc, SWAP_AB)
+    acc = _mma(x1, w1 * s1, acc, SWAP_AB)
+    acc = _mma(x2, w2 * s2, acc, SWAP_AB)
+    return _mma(x3, w3 * s3, acc, SWAP_AB)
+
+
+@triton.jit
+def _block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_ptrs, n_ok, b, stride_sg,
+           BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SWAP_AB: tl.constexpr, SCALE_W: tl.constexpr):
+    """One k-block's contribution, scales on the weights (SCALE_W) or on each group's fp32 partial."""
+    if SCALE_W:
+        out = _scaled_weights_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_ptrs, n_ok, b, stride_sg,
+                                    BLOCK_K, GROUP, SWAP_AB)
+    else:
+        out = _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_ptrs, n_ok, b, stride_sg, BLOCK_K, GROUP, SWAP_AB)
+    return out
 
 
 @triton.jit
@@ -243,18 +308,22 @@ def _tile_offsets(nb, stride_wt, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, Q:
     tile = (offs_n // TILE_N) * stride_wt + (offs_n % TILE_N) * Q  # [BN]
     offs_c = tl.arange(0, Q)
     if SWAP_AB:
-        return tile[:, None] + offs_c[None, :], offs_n
-    return tile[None, :] + offs_c[:, None], offs_n
+        offs = tile[:, None] + offs_c[None, :]
+    else:
+        offs = tile[None, :] + offs_c[:, None]
+    return offs, offs_n
 
 
 @triton.jit
 def _load_w(ptrs, n_ok, SWAP_AB: tl.constexpr, EVEN_N: tl.constexpr):
     """A weight tile; rows past the padded N (n_ok false) read as 0 unless every block is full (EVEN_N)."""
     if EVEN_N:
-        return tl.load(ptrs)
-    if SWAP_AB:
-        return tl.load(ptrs, mask=n_ok[:, None], other=0)
-    return tl.load(ptrs, mask=n_ok[None, :], other=0)
+        w = tl.load(ptrs)
+    elif SWAP_AB:
+        w = tl.load(ptrs, mask=n_ok[:, None], other=0)
+    else:
+        w = tl.load(ptrs, mask=n_ok[None, :], other=0)
+    return w
 
 
 @triton.jit
@@ -263,19 +332,23 @@ def _x_pointers(x_ptr, rows, stride_xt, m_mask, Q: tl.constexpr, SWAP_AB: tl.con
     row mask and column offsets for _load_x."""
     offs_c = tl.arange(0, Q)
     if SWAP_AB:
-        return x_ptr + rows[None, :] * stride_xt + offs_c[:, None], m_mask[None, :], offs_c[:, None]
-    return x_ptr + rows[:, None] * stride_xt + offs_c[None, :], m_mask[:, None], offs_c[None, :]
+        ptrs, row_mask, cols = x_ptr + rows[None, :] * stride_xt + offs_c[:, None], m_mask[None, :], offs_c[:, None]
+    else:
+        ptrs, row_mask, cols = x_ptr + rows[:, None] * stride_xt + offs_c[None, :], m_mask[:, None], offs_c[None, :]
+    return ptrs, row_mask, cols
 
 
 @triton.jit
 def _x_quarters(x_base, row_mask, cols, b, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The four Q-column quarters of k-block b."""
-    Q: tl.constexpr = BLOCK_K // 4
+    """The four BLOCK_K/4-column quarters of k-block b."""
     k0 = b * BLOCK_K
+    k1 = k0 + BLOCK_K // 4
+    k2 = k0 + 2 * (BLOCK_K // 4)
+    k3 = k0 + 3 * (BLOCK_K // 4)
     x0 = _load_x(x_base + k0, row_mask, cols + k0, K, EVEN_K)
-    x1 = _load_x(x_base + k0 + Q, row_mask, cols + k0 + Q, K, EVEN_K)
-    x2 = _load_x(x_base + k0 + 2 * Q, row_mask, cols + k0 + 2 * Q, K, EVEN_K)
-    x3 = _load_x(x_base + k0 + 3 * Q, row_mask, cols + k0 + 3 * Q, K, EVEN_K)
+    x1 = _load_x(x_base + k1, row_mask, cols + k1, K, EVEN_K)
+    x2 = _load_x(x_base + k2, row_mask, cols + k2, K, EVEN_K)
+    x3 = _load_x(x_base + k3, row_mask, cols + k3, K, EVEN_K)
     return x0, x1, x2, x3
 
 
@@ -283,8 +356,10 @@ def _x_quarters(x_base, row_mask, cols, b, K, BLOCK_K: tl.constexpr, EVEN_K: tl.
 def _rows_major(acc, SWAP_AB: tl.constexpr):
     """The accumulator as [BM, BN]."""
     if SWAP_AB:
-        return tl.trans(acc)
-    return acc
+        rows_major = tl.trans(acc)
+    else:
+        rows_major = acc
+    return rows_major
 
 
 @triton.jit
@@ -299,7 +374,8 @@ def gate_up_kernel(
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     ACTIVATION: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    SCALE_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr,
 ):
     """One program: BLOCK_M sorted positions of one expert x BLOCK_N gate columns and their up columns."""
     pid = tl.program_id(0)
@@ -310,12 +386,11 @@ def gate_up_kernel(
 
     e, m0, end, nb = _work_item(pid, num_n, num_m, bounds_ptr, stride_b, E, BLOCK_M, BLOCK_E, GROUP_M)
     if e < E:
-        Q: tl.constexpr = BLOCK_K // 4
         offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM] sorted positions
         m_mask = offs_m < end
         rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
-        x_base, row_mask, cols = _x_pointers(x_ptr, rows, stride_xt, m_mask, Q, SWAP_AB)
-        in_tile, offs_n = _tile_offsets(nb, stride_wt, BLOCK_N, TILE_N, Q, SWAP_AB)
+        x_base, row_mask, cols = _x_pointers(x_ptr, rows, stride_xt, m_mask, BLOCK_K // 4, SWAP_AB)
+        in_tile, offs_n = _tile_offsets(nb, stride_wt, BLOCK_N, TILE_N, BLOCK_K // 4, SWAP_AB)
         n_ok = offs_n < Ip
         w_gate = w_ptr + e.to(tl.int64) * stride_we + in_tile  # gate rows offs_n; up rows are + Ip
         w_up = w_gate + (Ip // TILE_N) * stride_wt
@@ -327,15 +402,15 @@ def gate_up_kernel(
             acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros_like(acc_gate)
         for b in tl.range(0, tl.cdiv(H, BLOCK_K), num_stages=NUM_STAGES):
-            wg = _load_w(w_gate + b * (TILE_N * Q), n_ok, SWAP_AB, EVEN_N)
-            wu = _load_w(w_up + b * (TILE_N * Q), n_ok, SWAP_AB, EVEN_N)
+            wg = _load_w(w_gate + b * (TILE_N * BLOCK_K // 4), n_ok, SWAP_AB, EVEN_N)
+            wu = _load_w(w_up + b * (TILE_N * BLOCK_K // 4), n_ok, SWAP_AB, EVEN_N)
             x0, x1, x2, x3 = _x_quarters(x_base, row_mask, cols, b, H, BLOCK_K, EVEN_K)
             g0, g1, g2, g3 = _split_quarters(wg, IS_BF16, USE_PTX)
             u0, u1, u2, u3 = _split_quarters(wu, IS_BF16, USE_PTX)
-            acc_gate = _scaled_block(acc_gate, x0, x1, x2, x3, g0, g1, g2, g3, s_gate, n_ok, b, stride_sg,
-                                     BLOCK_K, GROUP, SWAP_AB)
-            acc_up = _scaled_block(acc_up, x0, x1, x2, x3, u0, u1, u2, u3, s_up, n_ok, b, stride_sg,
-                                   BLOCK_K, GROUP, SWAP_AB)
+            acc_gate = _block(acc_gate, x0, x1, x2, x3, g0, g1, g2, g3, s_gate, n_ok, b, stride_sg,
+                              BLOCK_K, GROUP, SWAP_AB, SCALE_W)
+            acc_up = _block(acc_up, x0, x1, x2, x3, u0, u1, u2, u3, s_up, n_ok, b, stride_sg,
+                            BLOCK_K, GROUP, SWAP_AB, SCALE_W)
         y = _rows_major(_activate(acc_gate, ACTIVATION) * acc_up, SWAP_AB)  # [BM, BN] fp32
         out = act_ptr + offs_m[:, None] * stride_at + offs_n[None, :]
         tl.store(out, y.to(act_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n[None, :] < I))
@@ -351,7 +426,7 @@ def down_kernel(
     num_n, num_m, E, H, Hp, I,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
-    IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
+    IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr, SCALE_W: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """One program: BLOCK_M sorted positions of one expert x BLOCK_N output columns."""
@@ -362,8 +437,8 @@ def down_kernel(
         in_tile, offs_n = _tile_offsets(nb, stride_wt, BLOCK_N, TILE_N, BLOCK_K // 4, SWAP_AB)
         acc = down_rows(act_ptr, stride_at, offs_m, m_mask, w_ptr + e.to(tl.int64) * stride_we + in_tile,
                         s_ptr + e.to(tl.int64) * stride_se + offs_n, offs_n < Hp, stride_sg, I,
-                        GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N, IS_BF16, USE_PTX, SWAP_AB, EVEN_K, EVEN_N,
-                        NUM_STAGES)
+                        GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K,
+                        EVEN_N, NUM_STAGES)
         pairs = tl.load(spairs_ptr + offs_m, mask=m_mask, other=0)
         router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)  # [BM]
         out = part_ptr + pairs[:, None] * stride_pp + offs_n[None, :]
@@ -375,21 +450,20 @@ def down_rows(
     act_ptr, stride_at, offs_m, m_mask, w_base, s_base, n_ok, stride_sg, I,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    SCALE_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """[BM, BN] fp32: act rows offs_m (sorted positions) @ one expert's BN weight rows (w_base: _tile_offsets;
     n_ok: rows below the padded N)."""
-    Q: tl.constexpr = BLOCK_K // 4
-    a_base, row_mask, cols = _x_pointers(act_ptr, offs_m, stride_at, m_mask, Q, SWAP_AB)
+    a_base, row_mask, cols = _x_pointers(act_ptr, offs_m, stride_at, m_mask, BLOCK_K // 4, SWAP_AB)
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for b in tl.range(0, tl.cdiv(I, BLOCK_K), num_stages=NUM_STAGES):
-        w = _load_w(w_base + b * (TILE_N * Q), n_ok, SWAP_AB, EVEN_N)
+        w = _load_w(w_base + b * (TILE_N * BLOCK_K // 4), n_ok, SWAP_AB, EVEN_N)
         x0, x1, x2, x3 = _x_quarters(a_base, row_mask, cols, b, I, BLOCK_K, EVEN_K)
         w0, w1, w2, w3 = _split_quarters(w, IS_BF16, USE_PTX)
-        acc = _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_base, n_ok, b, stride_sg, BLOCK_K, GROUP, SWAP_AB)
+        acc = _block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_base, n_ok, b, stride_sg, BLOCK_K, GROUP, SWAP_AB, SCALE_W)
     return _rows_major(acc, SWAP_AB)
 
 

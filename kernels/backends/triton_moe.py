@@ -31,7 +31,8 @@ class TritonConfig:
 
     tile_n_gate_up, tile_n_down and block_k are the stored weight tiles (TritonExperts packs for
     them); a program owns block_m sorted positions of one expert x block_n_* output columns, a
-    multiple of the tile. swap_ab computes w @ x^T (the dequantized weights as the left operand).
+    multiple of the tile. swap_ab computes w @ x^T (the dequantized weights as the left operand);
+    scale_weights applies the group scales to the 16-bit weights instead of each group's fp32 partial.
     group_m row blocks take each column block in turn. num_warps_down / num_stages_down default to
     num_warps / num_stages.
 
@@ -54,6 +55,7 @@ class TritonConfig:
     num_warps_down: int | None = None
     num_stages_down: int | None = None
     swap_ab: bool = False
+    scale_weights: bool = False
     group_m: int = 8
     tile_n_gate_up: int = 64
     tile_n_down: int = 128
@@ -78,7 +80,7 @@ class TritonConfig:
         if per_expert < 48:
             return cls(block_m=32)
         return cls(block_m=64 if per_expert < 192 else 128, block_n_gate_up=128, block_n_down=128,
-                   num_warps=8, num_stages=3, swap_ab=True)
+                   num_warps=8, num_stages=3, swap_ab=True, scale_weights=True)
 
 
 class TritonBackend(ExpertBackend):
@@ -224,8 +226,9 @@ class TritonExperts(PreparedExperts):
         return out
 
     def _row_blocks(self, num_pairs: int, cfg: TritonConfig) -> int:
-        """An upper bound on the BLOCK_M-row blocks of all experts (one partial block per expert)."""
-        return _cdiv(num_pairs, cfg.block_m) + min(self.num_experts, num_pairs)
+        """An upper bound on the BLOCK_M-row blocks of all experts: one partial block per expert, each
+        block holds a pair (grid slots past the real blocks exit at once)."""
+        return min(num_pairs, _cdiv(num_pairs, cfg.block_m) + self.num_experts)
 
     def gate_up(self, x, routes: Routes, cfg: TritonConfig):
         """-> act [P, I] in x's dtype (sorted positions), out [T, H] fp32 zeroed for `combine`."""
@@ -247,7 +250,7 @@ class TritonExperts(PreparedExperts):
             GROUP=w13.group_size, BLOCK_K=w13.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up,
             TILE_N=w13.block_n, GROUP_M=cfg.group_m, BLOCK_E=max(2, _next_pow2(e)),
             ACTIVATION=self.activation, IS_BF16=x.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, x),
-            SWAP_AB=cfg.swap_ab, EVEN_K=h % w13.block_k == 0, EVEN_N=w13.padded_rows % cfg.block_n_gate_up == 0,
+            SWAP_AB=cfg.swap_ab, SCALE_W=cfg.scale_weights, EVEN_K=h % w13.block_k == 0, EVEN_N=w13.padded_rows % cfg.block_n_gate_up == 0,
             NUM_STAGES=cfg.num_stages, ZERO_BLOCK=1024, num_warps=cfg.num_warps,
         )
         return act, out
@@ -268,7 +271,7 @@ class TritonExperts(PreparedExperts):
             GROUP=w2.group_size, BLOCK_K=w2.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
             TILE_N=w2.block_n, GROUP_M=cfg.group_m, BLOCK_E=max(2, _next_pow2(e)),
             IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), SWAP_AB=cfg.swap_ab,
-            EVEN_K=i % w2.block_k == 0, EVEN_N=w2.padded_rows % cfg.block_n_down == 0,
+            SCALE_W=cfg.scale_weights, EVEN_K=i % w2.block_k == 0, EVEN_N=w2.padded_rows % cfg.block_n_down == 0,
             NUM_STAGES=cfg.num_stages_down or cfg.num_stages, num_warps=cfg.num_warps_down or cfg.num_warps,
         )
         return part

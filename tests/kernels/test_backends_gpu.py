@@ -52,10 +52,14 @@ def test_triton_matches_reference(cuda, moe_problem, rel_error, hidden, inter, g
         TritonConfig(block_k=64, block_n_gate_up=32, tile_n_gate_up=32, block_n_down=64, tile_n_down=64,
                      num_stages=5, num_warps_down=8),
         TritonConfig(block_k=64, block_n_gate_up=32, tile_n_gate_up=32, block_m=32, num_stages=4, num_stages_down=2),
-        # prefill shapes: blocks of 2-4 stored tiles (the last partial), weights as the left operand
+        # prefill shapes: blocks of 2-4 stored tiles (the last partial), weights as the left operand,
+        # scales on the weights
         TritonConfig(block_m=64, block_n_gate_up=128, block_n_down=256, num_warps=8, swap_ab=True),
-        TritonConfig(block_m=128, block_n_gate_up=256, block_n_down=128, num_warps=8, swap_ab=True, group_m=2),
-        TritonConfig(block_m=64, block_n_gate_up=128, block_n_down=128, num_warps=8, num_stages=4, group_m=1),
+        TritonConfig(block_m=128, block_n_gate_up=256, block_n_down=128, num_warps=8, swap_ab=True, group_m=2,
+                     scale_weights=True),
+        TritonConfig(block_m=64, block_n_gate_up=128, block_n_down=128, num_warps=8, num_stages=4, group_m=1,
+                     scale_weights=True),
+        TritonConfig(block_k=64, block_m=64, block_n_gate_up=128, num_warps=8, swap_ab=True, scale_weights=True),
         TritonConfig(swap_ab=True),
     ],
 )

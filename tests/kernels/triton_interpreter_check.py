@@ -37,10 +37,11 @@ def main() -> None:
     # (experts, hidden, inter, group, tokens per expert, rows, config): partial N tiles, 2 M tiles,
     # gelu; rows None = 2 * tokens + 1. The third puts all 20 pairs on one row: the combine adds
     # more than one window (COMBINE_BLOCK_R = 16) of a row's pairs. The last two take the prefill
-    # path (weights as the left operand, blocks of two stored tiles, the last one partial: N 160
-    # padded to 192 against blocks of 128; three row blocks per expert, two per column turn).
+    # path (weights as the left operand with the scales on them, blocks of two stored tiles, the last
+    # one partial: N 160 padded to 192 against blocks of 128; three row blocks per expert, two per
+    # column turn), the second without swapping and with scales on the partials.
     prefill = TritonConfig(block_m=32, block_n_gate_up=128, block_n_down=128, tile_n_down=64, swap_ab=True,
-                           group_m=2, num_warps=8)
+                           scale_weights=True, group_m=2, num_warps=8)
     cases = [
         (3, 160, 96, 32, 1, None, TritonConfig(block_n_gate_up=64, block_n_down=64, tile_n_down=64), "silu"),
         (2, 192, 64, 64, 17, None, TritonConfig(block_n_gate_up=32, tile_n_gate_up=32), "gelu"),
