@@ -10,10 +10,11 @@ Layout (made by kernels.backends.triton_moe from the canonical one), per project
      columns of x (16-bit operands on both sides). A program's BLOCK_N rows are BLOCK_N / TN tiles.
   s: [E, Kp/G, Np] float32 signed scales (zero in the padding), N contiguous; the scale multiplies
      each group's fp32 partial dot, not the weights.
-Routing: a stable counting sort over many programs (digit_count_kernel, a cumsum, then
-digit_scatter_kernel, once per digit) groups the pairs by expert -- bounds [E+1], and per sorted
-position the row, pair index and router weight -- and, digit by digit, by row for the combine.
-Positions depend only on the inputs. GEMMs: each expert's pairs split into BLOCK_M-row blocks;
+Routing groups the pairs by expert -- bounds [E+1], and per sorted position the row, pair index
+and router weight -- and by row for the combine, both stable: up to ROUTE_RANK_MAX_PAIRS
+(kernels.backends.triton_moe) in one launch that ranks every pair against all others
+(rank_route_kernel), above by a counting sort over many programs (digit_count_kernel, a cumsum,
+digit_scatter_kernel, once per digit). Positions depend only on the inputs. GEMMs: each expert's pairs split into BLOCK_M-row blocks;
 one program owns (row block, BLOCK_N output columns), so a dequantized weight tile serves BLOCK_M
 rows (small BLOCK_M for decode, 64-128 for prefill). down writes each pair's router-weighted row
 to its own row of a [P, H] fp32 buffer; combine_kernel sums a row's pairs in pair order. No float
@@ -211,7 +212,54 @@ def _activate(x, ACTIVATION: tl.constexpr):
     return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
 
 
-# ---- routing: a stable counting sort, digit by digit, over many programs -------------------------
+# ---- routing ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _earlier(keys_ptr, offs_c, key, offs, P, BIG: tl.constexpr):
+    """[BP] how many of the keys at positions offs_c sort before each (key, offs): smaller, or equal and earlier."""
+    other = tl.load(keys_ptr + offs_c, mask=offs_c < P, other=BIG).to(tl.int32)  # padding sorts last
+    before = (other[None, :] < key[:, None]) | ((other[None, :] == key[:, None]) & (offs_c[None, :] < offs[:, None]))
+    return tl.sum(before.to(tl.int32), axis=1)
+
+
+@triton.jit
+def rank_route_kernel(
+    experts_ptr, rows_ptr, weights_ptr, P, E,  # [P] local expert, row, router weight of each pair
+    bounds_ptr, srows_ptr, sweights_ptr, spairs_ptr,  # out: [E+1] int32; [P] row, fp32 weight, pair by expert
+    crows_ptr, cpairs_ptr,  # out: [P] int32 row and pair, sorted by (row, pair): the combine's order
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """Both stable orders in one launch, for small P: program b places pairs [b*BLOCK_P, +BLOCK_P) at
+    (pairs with a smaller key) + (earlier pairs with the same key), counted over all P pairs BLOCK_C
+    at a time, and writes bounds[e] = pairs of experts below e for its BLOCK_B experts. O(P) per
+    pair, no atomics."""
+    b = tl.program_id(0)
+    offs = b * BLOCK_P + tl.arange(0, BLOCK_P)
+    valid = offs < P
+    ex = tl.load(experts_ptr + offs, mask=valid, other=0).to(tl.int32)
+    row = tl.load(rows_ptr + offs, mask=valid, other=0).to(tl.int32)
+    e_first = b * BLOCK_B
+    offs_b = e_first + tl.arange(0, BLOCK_B)  # the experts whose bounds this program writes
+    by_expert = tl.zeros([BLOCK_P], dtype=tl.int32)
+    by_row = tl.zeros([BLOCK_P], dtype=tl.int32)
+    below = tl.zeros([BLOCK_B], dtype=tl.int32)
+    for c0 in range(0, P, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        by_expert += _earlier(experts_ptr, offs_c, ex, offs, P, 2147483647)
+        by_row += _earlier(rows_ptr, offs_c, row, offs, P, 2147483647)
+        ex_c = tl.load(experts_ptr + offs_c, mask=offs_c < P, other=2147483647).to(tl.int32)
+        below += tl.sum((ex_c[None, :] < offs_b[:, None]).to(tl.int32), axis=1)
+    tl.store(bounds_ptr + offs_b, below, mask=offs_b <= E)
+    tl.store(spairs_ptr + by_expert, offs, mask=valid)
+    tl.store(srows_ptr + by_expert, row, mask=valid)
+    tl.store(sweights_ptr + by_expert, tl.load(weights_ptr + offs, mask=valid, other=0.0).to(tl.float32), mask=valid)
+    tl.store(cpairs_ptr + by_row, offs, mask=valid)
+    tl.store(crows_ptr + by_row, row, mask=valid)
+
+
+# stable counting sort, digit by digit, over many programs: for large P
+
 
 
 @triton.jit
@@ -245,20 +293,25 @@ def digit_scatter_kernel(
     keys_ptr, rows_ptr, items_ptr, weights_ptr, P, shift,  # [P] each, in the current order
     starts_ptr, num_blocks,  # [1 + NUM_DIGITS * num_blocks] int32: cumsum of digit_count_kernel's counts
     items_out, rows_out, weights_out,  # [P] out: pair index, row (and fp32 router weight), in the new order
-    BLOCK_P: tl.constexpr, NUM_DIGITS: tl.constexpr, FIRST: tl.constexpr, WEIGHTS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, NUM_DIGITS: tl.constexpr, FIRST: tl.constexpr,
+    WEIGHTS: tl.constexpr,
 ):
     """Moves each position to its digit's run, keeping the current order within a digit (stable).
 
-    Position = the (digit, block) start + how many earlier positions of this block share the digit:
-    a function of the inputs only. FIRST: the current order is pair order (items_ptr unused).
+    Position = the (digit, block) start + how many earlier positions of this block share the digit
+    (compared BLOCK_C at a time): a function of the inputs only. FIRST: the current order is pair
+    order (items_ptr unused).
     """
     b = tl.program_id(0)
-    idx = tl.arange(0, BLOCK_P)
-    offs = b * BLOCK_P + idx
+    offs = b * BLOCK_P + tl.arange(0, BLOCK_P)
     valid = offs < P
     digit = _digits(keys_ptr, offs, valid, shift, NUM_DIGITS)  # [BP]
-    earlier = (digit[:, None] == digit[None, :]) & (idx[None, :] < idx[:, None])  # [BP, BP]
-    rank = tl.sum(earlier.to(tl.int32), axis=1)  # [BP]
+    rank = tl.zeros([BLOCK_P], dtype=tl.int32)
+    for c0 in tl.static_range(0, BLOCK_P, BLOCK_C):
+        offs_c = b * BLOCK_P + c0 + tl.arange(0, BLOCK_C)
+        digit_c = _digits(keys_ptr, offs_c, offs_c < P, shift, NUM_DIGITS)  # [BC]
+        earlier = (digit_c[None, :] == digit[:, None]) & (offs_c[None, :] < offs[:, None])  # [BP, BC]
+        rank += tl.sum(earlier.to(tl.int32), axis=1)
     dest = tl.load(starts_ptr + digit * num_blocks + b, mask=valid, other=0) + rank
     if FIRST:
         item = offs

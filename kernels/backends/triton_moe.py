@@ -1,7 +1,8 @@
 """Triton backend: grouped W4A16 MoE on CUDA and ROCm (gfx11) GPUs, routing, then three launches per layer.
 
-    routing:        pairs grouped by expert and by row -> Routes  (stable counting sorts:
-                    digit_count_kernel, cumsum, digit_scatter_kernel per digit)
+    routing:        pairs grouped by expert and by row -> Routes  (rank_route_kernel, one
+                    launch, for few pairs; else counting sorts: digit_count_kernel, cumsum,
+                    digit_scatter_kernel per digit)
     gate_up_kernel: x[rows] @ w13[e]^T -> act(gate) * up          [P, I]  (fp16/bf16); zeroes out
     down_kernel:    act @ w2[e]^T * router weight -> pair rows     [P, H]  (fp32)
     combine_kernel: each row's pair rows summed in pair order       [T, H]  (fp32)
@@ -23,6 +24,9 @@ GROUP_SIZES = (32, 64, 128, 256)
 BLOCK_KS = (64, 128)
 COMBINE_BLOCK_R, COMBINE_BLOCK_N = 16, 256  # pairs a combine program adds per step, columns it owns
 RADIX_BITS = 8  # at most 2^8 digits per routing pass over rows
+ROUTE_RANK_MAX_PAIRS = 8192  # up to here one launch ranks all pairs (O(P^2) work); above, counting passes
+ROUTE_RANK_BLOCK = 128  # pairs a ranking program places
+ROUTE_COMPARE_BLOCK = 32  # pairs a routing program compares its own with per step
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,13 +180,23 @@ class TritonExperts(PreparedExperts):
         self.config = config
 
     def route(self, pair_rows, pair_experts, pair_weights, num_rows: int) -> Routes:
-        """Pairs grouped by expert and by row (rows in [0, num_rows)): stable counting sorts.
+        """Pairs grouped by expert and by row (rows in [0, num_rows)), both stable.
 
-        By expert: one pass over next_pow2(E) digits. By row: LSD passes of up to RADIX_BITS bits.
+        Up to ROUTE_RANK_MAX_PAIRS: one launch (rank_route_kernel). Above: counting sorts, by
+        expert one pass over next_pow2(E) digits, by row LSD passes of up to RADIX_BITS bits.
         """
         e, p, dev = self.num_experts, pair_rows.numel(), pair_rows.device
         pairs, rows = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(2))
         router = torch.empty(p, dtype=torch.float32, device=dev)
+        if p <= ROUTE_RANK_MAX_PAIRS:
+            bounds, crows, cpairs = (torch.empty(n, dtype=torch.int32, device=dev) for n in (e + 1, p, p))
+            programs = _cdiv(p, ROUTE_RANK_BLOCK)
+            self.kernels.rank_route_kernel[(programs,)](
+                pair_experts, pair_rows, pair_weights, p, e, bounds, rows, router, pairs, crows, cpairs,
+                BLOCK_P=ROUTE_RANK_BLOCK, BLOCK_C=ROUTE_COMPARE_BLOCK, BLOCK_B=max(2, _next_pow2(_cdiv(e + 1, programs))),
+                num_warps=4,
+            )
+            return Routes(bounds, rows, router, pairs, crows, cpairs)
         digits = max(2, _next_pow2(e))
         starts, blocks = self._digit_pass(pair_experts, pair_rows, None, pair_weights, 0, digits, pairs, rows, router)
         bounds = starts[::blocks][: e + 1]  # [E+1] int32, strided: expert d's run starts at block 0's start
@@ -209,7 +223,8 @@ class TritonExperts(PreparedExperts):
         starts = torch.cumsum(counts, 0, dtype=torch.int32)  # integers: the same sum in any order
         self.kernels.digit_scatter_kernel[(blocks,)](
             keys, rows, items, weights, p, shift, starts, blocks, items_out, rows_out, weights_out,
-            BLOCK_P=block_p, NUM_DIGITS=digits, FIRST=items is None, WEIGHTS=weights is not None,
+            BLOCK_P=block_p, BLOCK_C=ROUTE_COMPARE_BLOCK, NUM_DIGITS=digits, FIRST=items is None,
+            WEIGHTS=weights is not None,
         )
         return starts, blocks
 

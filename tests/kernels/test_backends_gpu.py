@@ -146,8 +146,9 @@ def test_triton_model_shape(cuda, rel_error, tokens):
 @pytest.mark.parametrize("num_rows", [1, 1 << 14, 1 << 20])  # one, two and three passes by row
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 def test_triton_route(cuda, experts, pairs, num_rows, index_dtype):
-    """Pairs grouped by expert and by row, both stable (counting sorts over many programs):
-    exactly torch's stable sorts, so the positions depend only on the inputs."""
+    """Pairs grouped by expert and by row, both stable (ranking in one launch up to
+    ROUTE_RANK_MAX_PAIRS, counting sorts above): exactly torch's stable sorts, so the positions
+    depend only on the inputs."""
     gen = torch.Generator().manual_seed(pairs)
     pair_experts = torch.randint(0, experts, (pairs,), generator=gen)
     if experts == 6:

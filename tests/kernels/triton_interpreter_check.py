@@ -10,7 +10,8 @@ from kernels.reference import moe_experts_w4a16_reference
 
 
 def check_route(experts: int, pairs: int, num_rows: int, gen: torch.Generator) -> None:
-    """The counting sorts give exactly torch's stable sorts (several blocks and, by row, two passes)."""
+    """Both routings give exactly torch's stable sorts: ranking (several programs) and, above
+    ROUTE_RANK_MAX_PAIRS, counting (several blocks and, by row, two passes)."""
     pair_experts = torch.randint(0, experts, (pairs,), generator=gen)
     pair_rows = torch.randint(0, num_rows, (pairs,), generator=gen)
     pair_weights = torch.rand(pairs, generator=gen)
@@ -32,7 +33,8 @@ def check_route(experts: int, pairs: int, num_rows: int, gen: torch.Generator) -
 
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
-    for experts, pairs, num_rows in [(6, 37, 50), (128, 700, 1000), (3, 600, 1 << 9)]:
+    routings = [(6, 37, 50), (128, 700, 1000), (3, 600, 1 << 9), (128, 9000, 1 << 12)]
+    for experts, pairs, num_rows in routings:
         check_route(experts, pairs, num_rows, gen)
     # (experts, hidden, inter, group, tokens per expert, rows, config): partial N tiles, 2 M tiles,
     # gelu; rows None = 2 * tokens + 1. The third puts all 20 pairs on one row: the combine adds
@@ -65,7 +67,7 @@ def main() -> None:
         ref = moe_experts_w4a16_reference(x, pair_rows, pair_experts, pair_weights, weights, activation)
         err = (out - ref).abs().max().item() / ref.abs().max().item()
         assert err < 1e-2, f"case {experts, hidden, inter, group, tokens}: relative error {err}"
-    print("checked", len(cases), "cases and 3 routings")
+    print("checked", len(cases), "cases and", len(routings), "routings")
 
 
 if __name__ == "__main__":
