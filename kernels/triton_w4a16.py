@@ -165,13 +165,15 @@ def _weight_scale(s_ptrs, n_ok, group, stride_sg, dtype: tl.constexpr, SWAP_AB: 
 
 
 @triton.jit
-def _scaled_weights_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_ptrs, n_ok, b, stride_sg,
-                          BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SWAP_AB: tl.constexpr):
-    """acc += sum over quarters i of x_i @ (w_i * scale of the quarter's group).
+def _scaled_weights(w0, w1, w2, w3, s_ptrs, n_ok, b, stride_sg,
+                    BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The four quarters of k-block b times their groups' scales, as one [BN, BLOCK_K] tile in k order
+    ([BLOCK_K, BN] unswapped), for one dot per k-block.
 
-    The scale multiplies the 16-bit weights (one more rounding, as vLLM's kernel does), so the four
-    dots accumulate straight into acc and the MMAs can run asynchronously across k-blocks: the
-    prefill form. _scaled_block keeps each group's partial in fp32 instead.
+    The scale multiplies the 16-bit weights (one more rounding, as vLLM's kernel does), so the MMAs
+    accumulate straight into acc and stay asynchronous across k-blocks: the prefill form.
+    _scaled_block keeps each group's partial in fp32 instead. The joins and the permute only
+    relabel registers (checked in the sm_90 TTGIR: no layout conversion between dequant and wgmma).
     """
     s0 = _weight_scale(s_ptrs, n_ok, (b * BLOCK_K) // GROUP, stride_sg, w0.dtype, SWAP_AB)
     if GROUP >= BLOCK_K:
@@ -186,22 +188,12 @@ def _scaled_weights_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_ptrs, n_ok, b, 
         s1 = _weight_scale(s_ptrs, n_ok, 4 * b + 1, stride_sg, w0.dtype, SWAP_AB)
         s2 = _weight_scale(s_ptrs, n_ok, 4 * b + 2, stride_sg, w0.dtype, SWAP_AB)
         s3 = _weight_scale(s_ptrs, n_ok, 4 * b + 3, stride_sg, w0.dtype, SWAP_AB)
-    acc = _mma(x0, w0 * s0, acc, SWAP_AB)
-    acc = _mma(x1, w1 * s1, acc, SWAP_AB)
-    acc = _mma(x2, w2 * s2, acc, SWAP_AB)
-    return _mma(x3, w3 * s3, acc, SWAP_AB)
-
-
-@triton.jit
-def _block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_ptrs, n_ok, b, stride_sg,
-           BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SWAP_AB: tl.constexpr, SCALE_W: tl.constexpr):
-    """One k-block's contribution, scales on the weights (SCALE_W) or on each group's fp32 partial."""
-    if SCALE_W:
-        out = _scaled_weights_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_ptrs, n_ok, b, stride_sg,
-                                    BLOCK_K, GROUP, SWAP_AB)
-    else:
-        out = _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_ptrs, n_ok, b, stride_sg, BLOCK_K, GROUP, SWAP_AB)
-    return out
+    quads = tl.join(tl.join(w0 * s0, w2 * s2), tl.join(w1 * s1, w3 * s3))  # [.., .., i0, j]: quarter 2*i0 + j
+    if SWAP_AB:  # [BN, Q, 2, 2] -> [BN, i0, j, Q] -> [BN, BLOCK_K]
+        tile = tl.reshape(tl.permute(quads, (0, 2, 3, 1)), [w0.shape[0], BLOCK_K])
+    else:  # [Q, BN, 2, 2] -> [i0, j, Q, BN] -> [BLOCK_K, BN]
+        tile = tl.reshape(tl.permute(quads, (2, 3, 0, 1)), [BLOCK_K, w0.shape[1]])
+    return tile
 
 
 @triton.jit
@@ -380,10 +372,13 @@ def _load_w(ptrs, n_ok, SWAP_AB: tl.constexpr, EVEN_N: tl.constexpr):
 
 
 @triton.jit
-def _x_pointers(x_ptr, rows, stride_xt, m_mask, Q: tl.constexpr, SWAP_AB: tl.constexpr):
-    """Pointers to columns 0..Q of the given rows ([BM, Q], or [Q, BM] swapped), the broadcastable
-    row mask and column offsets for _load_x."""
-    offs_c = tl.arange(0, Q)
+def _x_pointers(x_ptr, rows, stride_xt, m_mask, BLOCK_K: tl.constexpr, WHOLE: tl.constexpr, SWAP_AB: tl.constexpr):
+    """Pointers to the first k-block's columns of the given rows ([BM, C], or [C, BM] swapped), the
+    broadcastable row mask and column offsets for _load_x. C: BLOCK_K (WHOLE), else a quarter."""
+    if WHOLE:
+        offs_c = tl.arange(0, BLOCK_K)
+    else:
+        offs_c = tl.arange(0, BLOCK_K // 4)
     if SWAP_AB:
         ptrs, row_mask, cols = x_ptr + rows[None, :] * stride_xt + offs_c[:, None], m_mask[None, :], offs_c[:, None]
     else:
@@ -442,7 +437,7 @@ def gate_up_kernel(
         offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM] sorted positions
         m_mask = offs_m < end
         rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
-        x_base, row_mask, cols = _x_pointers(x_ptr, rows, stride_xt, m_mask, BLOCK_K // 4, SWAP_AB)
+        x_base, row_mask, cols = _x_pointers(x_ptr, rows, stride_xt, m_mask, BLOCK_K, SCALE_W, SWAP_AB)
         in_tile, offs_n = _tile_offsets(nb, stride_wt, BLOCK_N, TILE_N, BLOCK_K // 4, SWAP_AB)
         n_ok = offs_n < Ip
         w_gate = w_ptr + e.to(tl.int64) * stride_we + in_tile  # gate rows offs_n; up rows are + Ip
@@ -457,13 +452,20 @@ def gate_up_kernel(
         for b in tl.range(0, tl.cdiv(H, BLOCK_K), num_stages=NUM_STAGES):
             wg = _load_w(w_gate + b * (TILE_N * BLOCK_K // 4), n_ok, SWAP_AB, EVEN_N)
             wu = _load_w(w_up + b * (TILE_N * BLOCK_K // 4), n_ok, SWAP_AB, EVEN_N)
-            x0, x1, x2, x3 = _x_quarters(x_base, row_mask, cols, b, H, BLOCK_K, EVEN_K)
             g0, g1, g2, g3 = _split_quarters(wg, IS_BF16, USE_PTX)
             u0, u1, u2, u3 = _split_quarters(wu, IS_BF16, USE_PTX)
-            acc_gate = _block(acc_gate, x0, x1, x2, x3, g0, g1, g2, g3, s_gate, n_ok, b, stride_sg,
-                              BLOCK_K, GROUP, SWAP_AB, SCALE_W)
-            acc_up = _block(acc_up, x0, x1, x2, x3, u0, u1, u2, u3, s_up, n_ok, b, stride_sg,
-                            BLOCK_K, GROUP, SWAP_AB, SCALE_W)
+            if SCALE_W:
+                xk = _load_x(x_base + b * BLOCK_K, row_mask, cols + b * BLOCK_K, H, EVEN_K)
+                wg = _scaled_weights(g0, g1, g2, g3, s_gate, n_ok, b, stride_sg, BLOCK_K, GROUP, SWAP_AB)
+                acc_gate = _mma(xk, wg, acc_gate, SWAP_AB)
+                wu = _scaled_weights(u0, u1, u2, u3, s_up, n_ok, b, stride_sg, BLOCK_K, GROUP, SWAP_AB)
+                acc_up = _mma(xk, wu, acc_up, SWAP_AB)
+            else:
+                x0, x1, x2, x3 = _x_quarters(x_base, row_mask, cols, b, H, BLOCK_K, EVEN_K)
+                acc_gate = _scaled_block(acc_gate, x0, x1, x2, x3, g0, g1, g2, g3, s_gate, n_ok, b, stride_sg,
+                                         BLOCK_K, GROUP, SWAP_AB)
+                acc_up = _scaled_block(acc_up, x0, x1, x2, x3, u0, u1, u2, u3, s_up, n_ok, b, stride_sg,
+                                       BLOCK_K, GROUP, SWAP_AB)
         y = _rows_major(_activate(acc_gate, ACTIVATION) * acc_up, SWAP_AB)  # [BM, BN] fp32
         out = act_ptr + offs_m[:, None] * stride_at + offs_n[None, :]
         tl.store(out, y.to(act_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n[None, :] < I))
@@ -507,16 +509,22 @@ def down_rows(
 ):
     """[BM, BN] fp32: act rows offs_m (sorted positions) @ one expert's BN weight rows (w_base: _tile_offsets;
     n_ok: rows below the padded N)."""
-    a_base, row_mask, cols = _x_pointers(act_ptr, offs_m, stride_at, m_mask, BLOCK_K // 4, SWAP_AB)
+    a_base, row_mask, cols = _x_pointers(act_ptr, offs_m, stride_at, m_mask, BLOCK_K, SCALE_W, SWAP_AB)
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for b in tl.range(0, tl.cdiv(I, BLOCK_K), num_stages=NUM_STAGES):
         w = _load_w(w_base + b * (TILE_N * BLOCK_K // 4), n_ok, SWAP_AB, EVEN_N)
-        x0, x1, x2, x3 = _x_quarters(a_base, row_mask, cols, b, I, BLOCK_K, EVEN_K)
         w0, w1, w2, w3 = _split_quarters(w, IS_BF16, USE_PTX)
-        acc = _block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_base, n_ok, b, stride_sg, BLOCK_K, GROUP, SWAP_AB, SCALE_W)
+        if SCALE_W:
+            xk = _load_x(a_base + b * BLOCK_K, row_mask, cols + b * BLOCK_K, I, EVEN_K)
+            acc = _mma(xk, _scaled_weights(w0, w1, w2, w3, s_base, n_ok, b, stride_sg, BLOCK_K, GROUP, SWAP_AB), acc,
+                       SWAP_AB)
+        else:
+            x0, x1, x2, x3 = _x_quarters(a_base, row_mask, cols, b, I, BLOCK_K, EVEN_K)
+            acc = _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_base, n_ok, b, stride_sg, BLOCK_K, GROUP,
+                                SWAP_AB)
     return _rows_major(acc, SWAP_AB)
 
 
