@@ -399,7 +399,8 @@ def vllm_peer_rows(weights, problems, device, iters, peaks: Peaks, sweep_iters: 
     from benchmarks.vllm_peer.layer import VllmTritonMoe
 
     shape = problems[0].shape
-    rows = run_backend("vllm_triton", weights, problems, device, iters, peaks, VllmTritonMoe(weights, shape.top_k, device))
+    peer = VllmTritonMoe(weights, shape.top_k, device)
+    rows = run_backend("vllm_triton", weights, problems, device, iters, peaks, peer)
     large = [p for p in problems if p.tokens_per_expert > DECODE_MAX_TOKENS]
     for config in VLLM_SWEEP if sweep_iters and large else []:
         peer = VllmTritonMoe(weights, shape.top_k, device, config)

@@ -6,20 +6,23 @@ Layout (made by kernels.backends.triton_moe from the canonical one), per project
      rows, each padded to Ip. Q = BK/4; element (n, c) of tile (nb, b) holds the four nibbles of
      k = b*BK + i*Q + c, i = 0..3, nibble i in bits 4i..4i+3. Two adjacent elements form one
      32-bit register, so one lop3 turns nibble i of both into a bf16x2/f16x2 pair: four registers
-     per word, three shifts, no byte shuffles. Quarter i is its own tl.dot with the matching Q
-     columns of x (16-bit operands on both sides). A program's BLOCK_N rows are BLOCK_N / TN tiles.
+     per word, three shifts, no byte shuffles. Decode: quarter i is its own tl.dot with the
+     matching Q columns of x (16-bit operands on both sides). Prefill (SCALE_W): the four scaled
+     quarters join into one [BLOCK_N, BK] operand in k order, one dot per k-block. A program's
+     BLOCK_N rows are BLOCK_N / TN tiles.
   s: [E, Kp/G, Np] float32 signed scales (zero in the padding), N contiguous; the scale multiplies
-     each group's fp32 partial dot, not the weights.
+     each group's fp32 partial dot (decode) or, SCALE_W, the 16-bit weights.
 Routing groups the pairs by expert -- bounds [E+1], and per sorted position the row, pair index
 and router weight -- and by row for the combine, both stable: up to ROUTE_RANK_MAX_PAIRS
 (kernels.backends.triton_moe) in one launch that ranks every pair against all others
 (rank_route_kernel), above by a counting sort over many programs (digit_count_kernel, a cumsum,
-digit_scatter_kernel, once per digit). Positions depend only on the inputs. GEMMs: each expert's pairs split into BLOCK_M-row blocks;
-one program owns (row block, BLOCK_N output columns), so a dequantized weight tile serves BLOCK_M
-rows (small BLOCK_M for decode, 64-128 for prefill). down writes each pair's router-weighted row
-to its own row of a [P, H] fp32 buffer; combine_kernel sums a row's pairs in pair order. No float
-atomics: the output is bitwise the same run to run. gate_up also zeroes a slice of `out` (rows
-without pairs stay zero).
+digit_scatter_kernel, once per digit). Positions depend only on the inputs.
+GEMMs: each expert's pairs split into BLOCK_M-row blocks; one program owns (row block, BLOCK_N
+output columns), so a dequantized weight tile serves BLOCK_M rows (16-32 for decode, 64-128 for
+prefill); SWAP_AB computes the transpose, the weights being the MMA's left operand. down writes
+each pair's router-weighted row to its own row of a [P, H] fp32 buffer; combine_kernel sums a
+row's pairs in pair order. No float atomics: the output is bitwise the same run to run. gate_up
+also zeroes a slice of `out` (rows without pairs stay zero).
 """
 from __future__ import annotations
 

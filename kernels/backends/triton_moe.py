@@ -44,7 +44,8 @@ class TritonConfig:
     expert (bench_kernel --sweep, two runs, 2026-11-29): this default 101-102 / 108-111 us; 4 stages
     105 / 113, 5 stages 109 / 118, 2 stages 119 / 128; down tiles of 64 rows 111 / 120, of 256 rows
     with 8 warps 107 / 114; gate_up tiles of 32 rows 118 / 127, of 128 rows with 8 warps 108 / 116;
-    8 warps 128 / 135; block_k 64 124 / 132; Triton instead of PTX dequant 147 / 152. Programs
+    8 warps 128 / 135; block_k 64 124 / 132; Triton instead of PTX dequant 147 / 152; block_m 32
+    140 / 145 but 320 against 435 us at 64 tokens per expert (hence rows of 32 above 16). Programs
     streaming 2 to 8 row tiles back to back in one flattened loop measured 104-120 / 108-125 us.
     The prefill configurations of for_load are not yet measured (bench_kernel --sweep prints them).
     """
@@ -193,8 +194,8 @@ class TritonExperts(PreparedExperts):
             programs = _cdiv(p, ROUTE_RANK_BLOCK)
             self.kernels.rank_route_kernel[(programs,)](
                 pair_experts, pair_rows, pair_weights, p, e, bounds, rows, router, pairs, crows, cpairs,
-                BLOCK_P=ROUTE_RANK_BLOCK, BLOCK_C=ROUTE_COMPARE_BLOCK, BLOCK_B=max(2, _next_pow2(_cdiv(e + 1, programs))),
-                num_warps=4,
+                BLOCK_P=ROUTE_RANK_BLOCK, BLOCK_C=ROUTE_COMPARE_BLOCK,
+                BLOCK_B=max(2, _next_pow2(_cdiv(e + 1, programs))), num_warps=4,
             )
             return Routes(bounds, rows, router, pairs, crows, cpairs)
         digits = max(2, _next_pow2(e))
@@ -265,7 +266,8 @@ class TritonExperts(PreparedExperts):
             GROUP=w13.group_size, BLOCK_K=w13.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up,
             TILE_N=w13.block_n, GROUP_M=cfg.group_m, BLOCK_E=max(2, _next_pow2(e)),
             ACTIVATION=self.activation, IS_BF16=x.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, x),
-            SWAP_AB=cfg.swap_ab, SCALE_W=cfg.scale_weights, EVEN_K=h % w13.block_k == 0, EVEN_N=w13.padded_rows % cfg.block_n_gate_up == 0,
+            SWAP_AB=cfg.swap_ab, SCALE_W=cfg.scale_weights, EVEN_K=h % w13.block_k == 0,
+            EVEN_N=w13.padded_rows % cfg.block_n_gate_up == 0,
             NUM_STAGES=cfg.num_stages, ZERO_BLOCK=1024, num_warps=cfg.num_warps,
         )
         return act, out
