@@ -323,9 +323,7 @@ def sweep_configs():
         base,
         replace(base, swap_ab=True),
         replace(base, swap_ab=True, num_stages=4),
-        replace(base, num_stages=4),
         replace(base, block_n_down=256, num_warps_down=8),
-        replace(base, block_n_gate_up=128, num_warps=8, num_warps_down=4),
         replace(base, group_m=1),
     ]
     prefill = TritonConfig.for_load(64 * 128, 128)  # 64 tokens per expert
@@ -359,9 +357,11 @@ def triton_sweep(weights, problems, device, iters, peaks: Peaks) -> list[Row]:
     rows = []
     for configs, subset in ((decode, small), (prefill, large)):
         for config in configs if subset else []:
-            experts = TritonExperts(weights, "silu", device, config)
-            rows += run_backend("triton", weights, subset, device, iters, peaks, experts, _describe(config, True))
-            del experts
+            try:
+                experts = TritonExperts(weights, "silu", device, config)
+                rows += run_backend("triton", weights, subset, device, iters, peaks, experts, _describe(config, True))
+            except Exception as err:  # noqa: BLE001 -- one configuration that does not compile must not end the sweep
+                print(f"  {_describe(config, True)} FAILED: {type(err).__name__}: {str(err)[:500]}", flush=True)
     triton_breakdown(TritonExperts(weights, "silu", device), problems, device, iters)
     for m in sorted({r.tokens_per_expert for r in rows}):
         best = min((r for r in rows if r.tokens_per_expert == m), key=lambda r: r.graph_time_us or r.time_us)
