@@ -22,7 +22,7 @@ import triton.language as tl
 
 from benchmarks.bench_kernel import MODELS, problem, random_weights, time_call, time_graph
 from kernels import triton_w4a16
-from kernels.backends.triton_moe import TritonConfig, TritonExperts, _use_ptx
+from kernels.backends.triton_moe import TritonConfig, TritonExperts, _expert_slots, _use_ptx
 from kernels.oracle import create_backend
 
 
@@ -67,7 +67,7 @@ class AtomicTritonExperts(TritonExperts):
             w2.w, w2.w.stride(0), w2.w.stride(1), w2.s, w2.s.stride(0), w2.s.stride(1),
             out, out.stride(0), num_n, num_m, e, self.hidden_size, w2.padded_rows, self.intermediate_size,
             GROUP=w2.group_size, BLOCK_K=w2.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
-            TILE_N=w2.block_n, GROUP_M=cfg.group_m, BLOCK_E=max(2, 1 << (e - 1).bit_length()),
+            TILE_N=w2.block_n, GROUP_M=cfg.group_m, BLOCK_E=_expert_slots(e),
             IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), SWAP_AB=cfg.swap_ab,
             SCALE_W=cfg.scale_weights, EVEN_K=self.intermediate_size % w2.block_k == 0, EVEN_N=w2.padded_rows % cfg.block_n_down == 0,
             NUM_STAGES=cfg.num_stages_down or cfg.num_stages, num_warps=cfg.num_warps_down or cfg.num_warps,

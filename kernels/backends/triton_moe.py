@@ -264,7 +264,7 @@ class TritonExperts(PreparedExperts):
             out, out.numel(), zero_chunk,
             num_n, num_m, e, i, w13.padded_rows, h,
             GROUP=w13.group_size, BLOCK_K=w13.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up,
-            TILE_N=w13.block_n, GROUP_M=cfg.group_m, BLOCK_E=max(2, _next_pow2(e)),
+            TILE_N=w13.block_n, GROUP_M=cfg.group_m, BLOCK_E=_expert_slots(e),
             ACTIVATION=self.activation, IS_BF16=x.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, x),
             SWAP_AB=cfg.swap_ab, SCALE_W=cfg.scale_weights, EVEN_K=h % w13.block_k == 0,
             EVEN_N=w13.padded_rows % cfg.block_n_gate_up == 0,
@@ -286,7 +286,7 @@ class TritonExperts(PreparedExperts):
             part, part.stride(0),
             num_n, num_m, e, h, w2.padded_rows, i,
             GROUP=w2.group_size, BLOCK_K=w2.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
-            TILE_N=w2.block_n, GROUP_M=cfg.group_m, BLOCK_E=max(2, _next_pow2(e)),
+            TILE_N=w2.block_n, GROUP_M=cfg.group_m, BLOCK_E=_expert_slots(e),
             IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), SWAP_AB=cfg.swap_ab,
             SCALE_W=cfg.scale_weights, EVEN_K=i % w2.block_k == 0, EVEN_N=w2.padded_rows % cfg.block_n_down == 0,
             NUM_STAGES=cfg.num_stages_down or cfg.num_stages, num_warps=cfg.num_warps_down or cfg.num_warps,
@@ -304,6 +304,12 @@ class TritonExperts(PreparedExperts):
 
 def _use_ptx(cfg: TritonConfig, x: torch.Tensor) -> bool:
     return cfg.ptx_dequant and x.is_cuda and torch.version.hip is None
+
+
+def _expert_slots(num_experts: int) -> int:
+    """BLOCK_E of the GEMM kernels: at least 128 (masked loads of the bounds), so layers with up to
+    128 experts share one compiled kernel per configuration."""
+    return _next_pow2(max(num_experts, 128))
 
 
 def _cdiv(a: int, b: int) -> int:
