@@ -1,8 +1,9 @@
 """Triton backend: grouped W4A16 MoE on CUDA and ROCm (gfx11) GPUs, routing, then three launches per layer.
 
     routing:        pairs grouped by expert and by row -> Routes  (rank_route_kernel, one
-                    launch, for few pairs; else counting sorts: digit_count_kernel, cumsum,
-                    digit_scatter_kernel per digit)
+                    program, for few pairs; else counting sorts: route_count_kernel, cumsum,
+                    route_scatter_kernel, and for rows of more than 8 bits digit_count_kernel,
+                    cumsum, digit_scatter_kernel per further digit)
     gate_up_kernel: x[rows] @ w13[e]^T -> act(gate) * up          [P, I]  (fp16/bf16); zeroes out
     down_kernel:    act @ w2[e]^T * router weight -> pair rows     [P, H]  (fp32)
     combine_kernel: each row's pair rows summed in pair order       [T, H]  (fp32)
@@ -24,8 +25,7 @@ GROUP_SIZES = (32, 64, 128, 256)
 BLOCK_KS = (64, 128)
 COMBINE_BLOCK_R, COMBINE_BLOCK_N = 16, 256  # pairs a combine program adds per step, columns it owns
 RADIX_BITS = 8  # at most 2^8 digits per routing pass over rows
-ROUTE_RANK_MAX_PAIRS = 8192  # up to here one launch ranks all pairs (O(P^2) work); above, counting passes
-ROUTE_RANK_BLOCK = 128  # pairs a ranking program places
+ROUTE_RANK_MAX_PAIRS = 256  # up to here one program ranks all pairs (O(P^2) work); above, counting passes
 ROUTE_COMPARE_BLOCK = 32  # pairs a routing program compares its own with per step
 
 
@@ -183,51 +183,59 @@ class TritonExperts(PreparedExperts):
     def route(self, pair_rows, pair_experts, pair_weights, num_rows: int) -> Routes:
         """Pairs grouped by expert and by row (rows in [0, num_rows)), both stable.
 
-        Up to ROUTE_RANK_MAX_PAIRS: one launch (rank_route_kernel). Above: counting sorts, by
-        expert one pass over next_pow2(E) digits, by row LSD passes of up to RADIX_BITS bits.
+        Up to ROUTE_RANK_MAX_PAIRS: one program ranks every pair (rank_route_kernel). Above: stable
+        counting sorts, O(P) work in count / cumsum / scatter launches: the first pass by expert and by
+        the row's low digit at once, then LSD passes of up to RADIX_BITS bits for the rest of the row.
         """
         e, p, dev = self.num_experts, pair_rows.numel(), pair_rows.device
-        pairs, rows = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(2))
+        pairs, rows, crows, cpairs = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(4))
         router = torch.empty(p, dtype=torch.float32, device=dev)
         if p <= ROUTE_RANK_MAX_PAIRS:
-            bounds, crows, cpairs = (torch.empty(n, dtype=torch.int32, device=dev) for n in (e + 1, p, p))
-            programs = _cdiv(p, ROUTE_RANK_BLOCK)
-            self.kernels.rank_route_kernel[(programs,)](
+            bounds = torch.empty(e + 1, dtype=torch.int32, device=dev)
+            self.kernels.rank_route_kernel[(1,)](
                 pair_experts, pair_rows, pair_weights, p, e, bounds, rows, router, pairs, crows, cpairs,
-                BLOCK_P=ROUTE_RANK_BLOCK, BLOCK_C=ROUTE_COMPARE_BLOCK,
-                BLOCK_B=max(2, _next_pow2(_cdiv(e + 1, programs))), num_warps=4,
+                BLOCK_P=max(16, _next_pow2(p)), BLOCK_C=ROUTE_COMPARE_BLOCK, BLOCK_B=_next_pow2(e + 1), num_warps=4,
             )
             return Routes(bounds, rows, router, pairs, crows, cpairs)
-        digits = max(2, _next_pow2(e))
-        starts, blocks = self._digit_pass(pair_experts, pair_rows, None, pair_weights, 0, digits, pairs, rows, router)
-        bounds = starts[::blocks][: e + 1]  # [E+1] int32, strided: expert d's run starts at block 0's start
-        bits = max(1, (num_rows - 1).bit_length())
-        passes = _cdiv(bits, RADIX_BITS)
-        width = _cdiv(bits, passes)
-        keys, items = pair_rows, None
-        for i in range(passes):
-            out_items, out_rows = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(2))
-            self._digit_pass(keys, keys, items, None, i * width, 1 << width, out_items, out_rows, None)
-            keys, items = out_rows, out_items
-        return Routes(bounds, rows, router, pairs, keys, items)
-
-    def _digit_pass(self, keys, rows, items, weights, shift, digits, items_out, rows_out, weights_out):
-        """One stable counting-sort pass on digit (keys >> shift) % digits: count, cumsum, scatter.
-
-        items None: the current order is pair order. -> (starts [1 + digits * blocks] int32, blocks)
-        """
-        p = keys.numel()
-        block_p = min(256, max(16, 32768 // digits))
-        blocks = _cdiv(p, block_p)
-        counts = torch.empty(1 + digits * blocks, dtype=torch.int32, device=keys.device)
-        self.kernels.digit_count_kernel[(blocks,)](keys, p, shift, counts, blocks, BLOCK_P=block_p, NUM_DIGITS=digits)
-        starts = torch.cumsum(counts, 0, dtype=torch.int32)  # integers: the same sum in any order
-        self.kernels.digit_scatter_kernel[(blocks,)](
-            keys, rows, items, weights, p, shift, starts, blocks, items_out, rows_out, weights_out,
-            BLOCK_P=block_p, BLOCK_C=ROUTE_COMPARE_BLOCK, NUM_DIGITS=digits, FIRST=items is None,
-            WEIGHTS=weights is not None,
+        row_bits = max(1, (num_rows - 1).bit_length())
+        digits = max(2, _next_pow2(e), 1 << min(row_bits, RADIX_BITS))
+        block_p, blocks = self._blocks(p, digits)
+        counts = torch.empty(2, 1 + digits * blocks, dtype=torch.int32, device=dev)
+        self.kernels.route_count_kernel[(blocks,)](
+            pair_experts, pair_rows, p, counts, counts.stride(0), blocks, BLOCK_P=block_p, NUM_DIGITS=digits,
         )
-        return starts, blocks
+        starts = torch.cumsum(counts, 1, dtype=torch.int32)  # integers: the same sum in any order
+        self.kernels.route_scatter_kernel[(blocks,)](
+            pair_experts, pair_rows, pair_weights, p, starts, starts.stride(0), blocks,
+            rows, router, pairs, crows, cpairs, BLOCK_P=block_p, BLOCK_C=ROUTE_COMPARE_BLOCK, NUM_DIGITS=digits,
+        )
+        bounds = starts[0, ::blocks][: e + 1]  # [E+1] int32, strided: expert d's run starts at block 0's start
+        done = digits.bit_length() - 1  # row bits the first pass sorted by
+        passes = _cdiv(max(0, row_bits - done), RADIX_BITS)
+        width = _cdiv(row_bits - done, passes) if passes else 0
+        for i in range(passes):
+            crows, cpairs = self._row_pass(crows, cpairs, done + i * width, 1 << width)
+        return Routes(bounds, rows, router, pairs, crows, cpairs)
+
+    @staticmethod
+    def _blocks(p: int, digits: int) -> tuple[int, int]:
+        """(pairs per counting program, programs): a [block, digits] comparison stays <= 32K elements."""
+        block_p = min(256, max(16, 32768 // digits))
+        return block_p, _cdiv(p, block_p)
+
+    def _row_pass(self, crows, cpairs, shift, digits):
+        """One stable counting pass of (row, pair) order on digit (row >> shift) % digits -> (crows, cpairs)."""
+        p = crows.numel()
+        block_p, blocks = self._blocks(p, digits)
+        counts = torch.empty(1 + digits * blocks, dtype=torch.int32, device=crows.device)
+        self.kernels.digit_count_kernel[(blocks,)](crows, p, shift, counts, blocks, BLOCK_P=block_p, NUM_DIGITS=digits)
+        starts = torch.cumsum(counts, 0, dtype=torch.int32)
+        rows_out, pairs_out = torch.empty_like(crows), torch.empty_like(cpairs)
+        self.kernels.digit_scatter_kernel[(blocks,)](
+            crows, cpairs, p, shift, starts, blocks, pairs_out, rows_out,
+            BLOCK_P=block_p, BLOCK_C=ROUTE_COMPARE_BLOCK, NUM_DIGITS=digits,
+        )
+        return rows_out, pairs_out
 
     def __call__(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
         x = hidden if hidden.dtype in (torch.float16, torch.bfloat16) else hidden.to(torch.bfloat16)

@@ -142,11 +142,13 @@ def test_triton_model_shape(cuda, rel_error, tokens):
     assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.parametrize("experts,pairs", [(128, 1), (128, 1024), (6, 37), (3, 5000), (128, 9000), (256, 70000)])
+@pytest.mark.parametrize(
+    "experts,pairs", [(128, 1), (128, 256), (128, 1024), (6, 37), (3, 5000), (128, 9000), (256, 70000)]
+)
 @pytest.mark.parametrize("num_rows", [1, 1 << 14, 1 << 20])  # one, two and three passes by row
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 def test_triton_route(cuda, experts, pairs, num_rows, index_dtype):
-    """Pairs grouped by expert and by row, both stable (ranking in one launch up to
+    """Pairs grouped by expert and by row, both stable (one ranking program up to
     ROUTE_RANK_MAX_PAIRS, counting sorts above): exactly torch's stable sorts, so the positions
     depend only on the inputs."""
     gen = torch.Generator().manual_seed(pairs)
