@@ -25,13 +25,14 @@ GROUP_SIZES = (32, 64, 128, 256)
 BLOCK_KS = (64, 128)
 COMBINE_BLOCK_R, COMBINE_BLOCK_N = 16, 256  # pairs a combine program adds per step, columns it owns
 RADIX_BITS = 8  # at most 2^8 digits per routing pass over rows
+FEW_EXPERTS = 16  # for_load: up to here a layer's experts are few and large (Mixtral), above many and small (Qwen3)
 ROUTE_RANK_MAX_PAIRS = 256  # up to here one program ranks all pairs (O(P^2) work); above, counting passes
 ROUTE_COMPARE_BLOCK = 32  # pairs a routing program compares its own with per step
 
 
 @dataclass(frozen=True, slots=True)
 class TritonConfig:
-    """Launch parameters; `for_load` picks them from the average pairs per expert.
+    """Launch parameters; `for_load` picks them from the average pairs per expert and the expert count.
 
     tile_n_gate_up, tile_n_down and block_k are the stored weight tiles (TritonExperts packs for
     them); a program owns block_m sorted positions of one expert x block_n_* output columns, a
@@ -47,7 +48,6 @@ class TritonConfig:
     8 warps 128 / 135; block_k 64 124 / 132; Triton instead of PTX dequant 147 / 152; block_m 32
     140 / 145 but 320 against 435 us at 64 tokens per expert (hence rows of 32 above 16). Programs
     streaming 2 to 8 row tiles back to back in one flattened loop measured 104-120 / 108-125 us.
-    The prefill configurations of for_load are not yet measured (bench_kernel --sweep prints them).
     """
 
     block_m: int = 16
@@ -78,14 +78,32 @@ class TritonConfig:
 
     @classmethod
     def for_load(cls, num_pairs: int, num_experts: int) -> TritonConfig:
-        """Decode tiles up to 16 pairs per expert; then rows of 32; from 48 the prefill tiles."""
+        """The fastest configuration bench_kernel --sweep measured for the load (H200, Triton 3.6,
+        2026-12-02, commit 4344a33, graph time per tokens-per-expert M):
+
+        decode (M <= 16): few large experts (Mixtral, E = 8): 4 stages, 1-2% faster at M = 1-8; at
+        M = 16 down tiles of 256 rows with 8 warps, 246 against 265 us. Many small experts (Qwen3,
+        E = 128): this default; swap_ab and group_m were within 1%, 4 stages 2-3% slower.
+        16 < M < 48: rows of 32 (not measured since 2026-11-29). M >= 48: the weights as the left
+        operand with the scales on them. Blocks of 128 rows above M = 64 (then both cover an
+        expert's rows with the same padding, and 128 is faster: Mixtral 695 against 847 us at M =
+        128, Qwen3 517 against 540; 1452/1729 and 954/1009 at 256); 64 rows up to 64 (128 rows:
+        700 against 433 us, 667 against 521). At 64 rows, few large experts take gate_up tiles of
+        128 columns with 8 warps (433 against 518 us), many small ones 64 with 4 (521 against 531).
+        """
         per_expert = -(-num_pairs // num_experts)
+        few = num_experts <= FEW_EXPERTS
         if per_expert <= 16:
+            if few:
+                return cls(num_stages=4) if per_expert <= 8 else cls(block_n_down=256, num_warps_down=8)
             return cls()
         if per_expert < 48:
             return cls(block_m=32)
-        return cls(block_m=64 if per_expert < 192 else 128, block_n_gate_up=128, block_n_down=128,
-                   num_warps=8, num_stages=3, swap_ab=True, scale_weights=True)
+        if per_expert > 64:
+            return cls(block_m=128, block_n_gate_up=128, num_warps=8, swap_ab=True, scale_weights=True)
+        if few:
+            return cls(block_m=64, block_n_gate_up=128, num_warps=8, swap_ab=True, scale_weights=True)
+        return cls(block_m=64, swap_ab=True, scale_weights=True)
 
 
 class TritonBackend(ExpertBackend):

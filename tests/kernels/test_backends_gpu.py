@@ -72,14 +72,16 @@ def test_triton_configs_and_gelu(cuda, moe_problem, rel_error, config):
 
 
 @pytest.mark.parametrize("hidden,inter,group", SHAPES)
-@pytest.mark.parametrize("tokens", [48, 200])  # for_load's prefill tiles: 64-row blocks, 128-row blocks
+# for_load's prefill tiles: 64-row blocks for few large and for many small experts, 128-row blocks (the same for both)
+@pytest.mark.parametrize("tokens,layer_experts", [(48, 8), (48, 128), (200, 8)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("ptx", [True, False], ids=["ptx", "triton-dequant"])
-def test_triton_prefill_matches_reference(cuda, moe_problem, rel_error, hidden, inter, group, tokens, dtype, ptx):
+def test_triton_prefill_matches_reference(cuda, moe_problem, rel_error, hidden, inter, group, tokens, layer_experts,
+                                          dtype, ptx):
     """The default (for_load) prefill configurations, with PTX dequantization on or off."""
     p = moe_problem(experts=4, hidden=hidden, inter=inter, group=group, tokens_per_expert=tokens).to(cuda)
     x = p.hidden.to(dtype)
-    cfg = TritonConfig.for_load(p.pair_rows.numel(), 2)  # make_problem gives pairs to every other expert
+    cfg = TritonConfig.for_load(tokens * layer_experts, layer_experts)  # as for a layer of that many experts
     assert cfg.block_m >= 64, cfg  # the prefill tiles are what this test checks
     cfg = replace(cfg, ptx_dequant=ptx)
     out = TritonExperts(p.weights, "silu", cuda, cfg)(x, p.pair_rows, p.pair_experts, p.pair_weights)
