@@ -311,86 +311,123 @@ def _show(r: Row) -> Row:
     return r
 
 
-DECODE_MAX_TOKENS = 16  # the sweep times decode configurations up to here, prefill ones above
+DECODE_MAX_TOKENS = 16  # the sweep times decode neighbours up to here, prefill ones above
 
 
-def sweep_configs():
-    """(decode, prefill) launch configurations (and weight tilings) the sweep times."""
+def decode_neighbours(cfg) -> list:
+    """cfg and one step from it in each decode direction: swap_ab, 3 <-> 4 stages, down tiles of 128 <-> 256 rows."""
+    down = replace(cfg, block_n_down=256, num_warps_down=8) if cfg.block_n_down != 256 else \
+        replace(cfg, block_n_down=128, num_warps_down=None)
+    return [cfg, replace(cfg, swap_ab=not cfg.swap_ab), replace(cfg, num_stages=7 - cfg.num_stages), down]
+
+
+def prefill_neighbours(cfg) -> list:
+    """cfg and one step from it in each prefill direction: down tiles of 256 rows, 4 stages, 4 <-> 8 warps in
+    down, no grouping of row blocks (group_m 1); below 128-row blocks also 4 <-> 8 warps in both and gate_up
+    tiles twice as wide with 8 warps (at 128 rows, two 128 x 128 fp32 accumulators already fill 8 warps'
+    registers). Tiles narrower than the stored ones (64-row down tiles) would need the weights packed again."""
+    other_warps = 12 - cfg.num_warps  # 4 <-> 8
+    configs = [
+        cfg,
+        replace(cfg, block_n_down=256),
+        replace(cfg, num_stages=4),
+        replace(cfg, num_warps_down=other_warps),
+        replace(cfg, group_m=1),
+    ]
+    if cfg.block_m < 128:
+        configs += [replace(cfg, num_warps=other_warps),
+                    replace(cfg, block_n_gate_up=min(256, 2 * cfg.block_n_gate_up), num_warps=8)]
+    return configs
+
+
+def sweep_configs(num_experts: int, tokens: list[int]) -> dict:
+    """{launch configuration: the tokens per expert it is timed at}: for_load's choice at each M and its
+    neighbours, so the sweep answers whether for_load is a local optimum, per model shape."""
     from kernels.backends.triton_moe import TritonConfig
 
-    base = TritonConfig()
-    decode = [
-        base,
-        replace(base, swap_ab=True),
-        replace(base, swap_ab=True, num_stages=4),
-        replace(base, block_n_down=256, num_warps_down=8),
-        replace(base, group_m=1),
-    ]
-    prefill = TritonConfig.for_load(64 * 128, 128)  # 64 tokens per expert
-    prefill_configs = [
-        prefill,
-        replace(prefill, swap_ab=False),
-        replace(prefill, scale_weights=False),
-        replace(prefill, swap_ab=False, scale_weights=False),
-        replace(prefill, block_m=128),
-        replace(prefill, block_m=128, swap_ab=False),
-        replace(prefill, block_m=128, block_n_gate_up=64),
-        replace(prefill, num_stages=4),
-        replace(prefill, num_stages=2),
-        replace(prefill, block_n_gate_up=256, block_n_down=256),
-        replace(prefill, block_n_gate_up=64, block_n_down=128, num_warps=4),
-        replace(prefill, group_m=1),
-        replace(prefill, group_m=32),
-        replace(base, block_m=32),  # for_load's rows of 32 (16 < M < 48)
-    ]
-    return decode, prefill_configs
+    configs: dict = {}
+    for m in tokens:
+        chosen = TritonConfig.for_load(m * num_experts, num_experts)
+        for cfg in (decode_neighbours if m <= DECODE_MAX_TOKENS else prefill_neighbours)(chosen):
+            if m not in configs.setdefault(cfg, []):
+                configs[cfg].append(m)
+    return configs
 
 
-def triton_sweep(weights, problems, device, iters, peaks: Peaks) -> list[Row]:
-    """Launch configurations (and weight tilings) of the Triton kernels: decode ones on M <= 16, prefill
-    ones above; then the breakdown of for_load's choice, and the best configuration per M."""
+def triton_sweep(weights, problems, device, iters, peaks: Peaks) -> tuple[list[Row], list[dict]]:
+    """for_load's configuration and its neighbours at each M, then the breakdown of for_load's choice per M.
+
+    -> (rows, breakdown). Configurations with the same weight tiles share one packed copy of the weights.
+    """
     from kernels.backends.triton_moe import TritonExperts
 
-    decode, prefill = sweep_configs()
-    small = [p for p in problems if p.tokens_per_expert <= DECODE_MAX_TOKENS]
-    large = [p for p in problems if p.tokens_per_expert > DECODE_MAX_TOKENS]
+    shape = problems[0].shape
+    packed: dict = {}
     rows = []
-    for configs, subset in ((decode, small), (prefill, large)):
-        for config in configs if subset else []:
-            try:
-                experts = TritonExperts(weights, "silu", device, config)
-                rows += run_backend("triton", weights, subset, device, iters, peaks, experts, _describe(config, True))
-            except Exception as err:  # noqa: BLE001 -- one configuration that does not compile must not end the sweep
-                print(f"  {_describe(config, True)} FAILED: {type(err).__name__}: {str(err)[:500]}", flush=True)
-    triton_breakdown(TritonExperts(weights, "silu", device), problems, device, iters)
-    for m in sorted({r.tokens_per_expert for r in rows}):
-        best = min((r for r in rows if r.tokens_per_expert == m), key=lambda r: r.graph_time_us or r.time_us)
-        print(f"  best at M={m}: {best.graph_time_us} us graph, {best.fraction_of_matmul:.1%} of matmul, "
-              f"{best.fraction_of_copy:.1%} of copy: {best.config or 'default'}", flush=True)
-    return rows
+    for config, tokens in sweep_configs(shape.experts, [p.tokens_per_expert for p in problems]).items():
+        subset = [p for p in problems if p.tokens_per_expert in tokens]
+        try:
+            layout = (config.block_k, config.tile_n_gate_up, config.tile_n_down)
+            if layout not in packed:
+                packed[layout] = TritonExperts(weights, "silu", device, config)
+            experts = packed[layout].configured(config)
+            rows += run_backend("triton", weights, subset, device, iters, peaks, experts, _describe(config, True))
+        except Exception as err:  # noqa: BLE001 -- one configuration that does not compile must not end the sweep
+            print(f"  {_describe(config, True)} FAILED: {type(err).__name__}: {str(err)[:500]}", flush=True)
+    return rows, triton_breakdown(TritonExperts(weights, "silu", device), problems, device, iters)
 
 
-def triton_breakdown(experts, problems, device, iters) -> None:
-    """Graph-replay time of each launch alone (route, gate_up, down, combine) next to the whole call, and
+def triton_breakdown(experts, problems, device, iters) -> list[dict]:
+    """Graph-replay time (us) of each launch alone (route, gate_up, down, combine) next to the whole call, and
     of torch's two stable sorts (by expert, by row) that a torch routing would need at least."""
     from kernels.backends.triton_moe import TritonConfig
 
+    shape = problems[0].shape
+    out = []
     for p in problems:
         cfg = experts.config or TritonConfig.for_load(p.pair_rows.numel(), experts.num_experts)
         routes = experts.route(p.pair_rows, p.pair_experts, p.pair_weights, p.hidden.shape[0])
-        act, out = experts.gate_up(p.hidden, routes, cfg)
+        act, result = experts.gate_up(p.hidden, routes, cfg)
         part = experts.down(act, routes, cfg)
         parts = {
             "route": lambda p=p: experts.route(p.pair_rows, p.pair_experts, p.pair_weights, p.hidden.shape[0]),
             "torch sorts": lambda p=p: (torch.sort(p.pair_experts, stable=True), torch.sort(p.pair_rows, stable=True)),
             "gate_up": lambda: experts.gate_up(p.hidden, routes, cfg),
             "down": lambda: experts.down(act, routes, cfg),
-            "combine": lambda: experts.combine(part, routes, out),
+            "combine": lambda: experts.combine(part, routes, result),
             "all": lambda p=p: experts(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights),
         }
         times = {name: time_graph(fn, device, iters) for name, fn in parts.items()}
-        print(f"  breakdown M={p.tokens_per_expert}: " + ", ".join(
-            f"{name} {t * 1e6:.1f} us" for name, t in times.items() if t is not None), flush=True)
+        out.append({"model": shape.name, "tokens_per_expert": p.tokens_per_expert, "config": _describe(cfg, True),
+                    **{f"{name.replace(' ', '_')}_us": None if t is None else round(t * 1e6, 2)
+                       for name, t in times.items()}})
+        print("  " + _breakdown_line(out[-1]), flush=True)
+    return out
+
+
+def _breakdown_line(b: dict) -> str:
+    times = ", ".join(f"{k[:-3].replace('_', ' ')} {v:.1f}" for k, v in b.items() if k.endswith("_us") and v is not None)
+    return f"breakdown {b['model']} M={b['tokens_per_expert']} (us): {times}  [{b['config']}]"
+
+
+def best_per_m(rows: list[Row]) -> list[dict]:
+    """The fastest Triton row (graph time) per model and M, over the default run and the sweep."""
+    best = {}
+    for r in rows:
+        if r.backend == "triton":
+            key, t = (r.model, r.tokens_per_expert), r.graph_time_us or r.time_us
+            if key not in best or t < (best[key].graph_time_us or best[key].time_us):
+                best[key] = r
+    return [{"model": r.model, "tokens_per_expert": r.tokens_per_expert, "graph_time_us": r.graph_time_us,
+             "time_us": r.time_us, "fraction_of_copy": r.fraction_of_copy,
+             "fraction_of_matmul": r.fraction_of_matmul, "config": r.config} for _, r in sorted(best.items())]
+
+
+def _best_line(b: dict, default: Row | None) -> str:
+    chosen = "" if default is None else (f"; for_load {default.graph_time_us} us, {default.fraction_of_copy:.1%} "
+                                         f"copy, {default.fraction_of_matmul:.1%} mm")
+    return (f"best {b['model']} M={b['tokens_per_expert']}: {b['graph_time_us']} us graph, "
+            f"{b['fraction_of_copy']:.1%} of copy, {b['fraction_of_matmul']:.1%} of matmul: {b['config']}{chosen}")
 
 
 def vllm_peer_rows(weights, problems, device, iters, peaks: Peaks, sweep_iters: int = 0) -> list[Row]:
@@ -454,11 +491,13 @@ def main(argv: list[str] | None = None) -> None:
                         "CPU 1,8)")
     parser.add_argument("--backends", help="default: triton,hip_fdot2 on a GPU; cpu,reference on CPU")
     parser.add_argument("--no-peer", action="store_true", help="skip vLLM's Triton kernel (GPU)")
+    parser.add_argument("--no-torch-int4", action="store_true", help="skip torch's int4 GEMM ceilings")
     parser.add_argument("--iters", type=int, help="default: 50 on a GPU, 3 on CPU")
     parser.add_argument("--threads", type=int, help="CPU threads (default 1 on CPU: on a shared 2-core box two "
                         "OpenMP threads measured 30x slower than one)")
-    parser.add_argument("--sweep", action="store_true", help="also time Triton launch configurations (and a few of "
-                        "the vLLM peer's), print the graph time of each Triton launch alone and the best per M (GPU)")
+    parser.add_argument("--sweep", action="store_true", help="also time for_load's Triton configuration and its "
+                        "neighbours at each M (and a few of the vLLM peer's), and the graph time of each Triton launch "
+                        "alone; both, and the best per M, go into the JSON and a closing summary (GPU)")
     parser.add_argument("--sweep-iters", type=int, default=20, help="iterations per sweep measurement")
     args = parser.parse_args(argv)
 
@@ -490,6 +529,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"vLLM peer against the reference (E 8, H 256, I 128, top-2, M 4): "
               f"relative error {meta['vllm_peer_rel_error_small_shape']:.1e}")
     rows: list[Row] = []
+    breakdown: list[dict] = []
     failures: list[str] = []
     print(HEADER)
     for name in (args.models or (",".join(MODELS) if gpu else "qwen3-30b-a3b")).split(","):
@@ -503,9 +543,11 @@ def main(argv: list[str] | None = None) -> None:
         if peer:
             steps.append(("vllm_triton", lambda: vllm_peer_rows(
                 weights, problems, device, iters, peaks, args.sweep_iters if args.sweep else 0)))
-        steps.append(("torch_int4", lambda: torch_int4_rows(weights, problems, device, iters, peaks)))
+        if not args.no_torch_int4:
+            steps.append(("torch_int4", lambda: torch_int4_rows(weights, problems, device, iters, peaks)))
         if args.sweep and gpu:
-            steps.append(("triton sweep", lambda: triton_sweep(weights, problems, device, args.sweep_iters, peaks)))
+            steps.append(("triton sweep", lambda: _sweep_rows(weights, problems, device, args.sweep_iters, peaks,
+                                                              breakdown)))
         for label, step in steps:
             try:
                 rows += step()
@@ -513,13 +555,37 @@ def main(argv: list[str] | None = None) -> None:
                 failures.append(f"{shape.name} {label}: {type(err).__name__}: {err}")
                 print(f"  {label} FAILED: {type(err).__name__}: {str(err)[:2000]}", flush=True)
         del weights
-        _write(args.out, meta, rows, failures)
+        _write(args.out, meta, rows, breakdown, failures)
+    _summary(rows, breakdown, failures)
     print(f"wrote {args.out}" + (f"; {len(failures)} failures" if failures else ""))
 
 
-def _write(path: Path, meta: dict, rows: list[Row], failures: list[str]) -> None:
+def _sweep_rows(weights, problems, device, iters, peaks: Peaks, breakdown: list[dict]) -> list[Row]:
+    rows, parts = triton_sweep(weights, problems, device, iters, peaks)
+    breakdown += parts
+    return rows
+
+
+def _summary(rows: list[Row], breakdown: list[dict], failures: list[str]) -> None:
+    """The closing lines: per model and M the best Triton time (against for_load's in the default run), then
+    the breakdown of for_load's choice, so a truncated log still ends with the answer."""
+    default: dict = {}
+    for r in rows:  # the default run comes before the sweep
+        if r.backend == "triton":
+            default.setdefault((r.model, r.tokens_per_expert), r)
+    print("summary")
+    for b in best_per_m(rows):
+        print("  " + _best_line(b, default.get((b["model"], b["tokens_per_expert"]))))
+    for b in breakdown:
+        print("  " + _breakdown_line(b))
+    for f in failures:
+        print(f"  failure: {f[:300]}")
+
+
+def _write(path: Path, meta: dict, rows: list[Row], breakdown: list[dict], failures: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in rows], "failures": failures}, indent=1))
+    path.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in rows], "best": best_per_m(rows),
+                                "breakdown": breakdown, "failures": failures}, indent=1))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ Kernels and weight layout: kernels/triton_w4a16.py.
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 from dataclasses import dataclass
 
@@ -197,6 +198,15 @@ class TritonExperts(PreparedExperts):
         self.w13 = TritonProjection.from_int4(weights.w13, device, layout.block_k, layout.tile_n_gate_up, parts=2)
         self.w2 = TritonProjection.from_int4(weights.w2, device, layout.block_k, layout.tile_n_down)
         self.config = config
+
+    def configured(self, config: TritonConfig) -> TritonExperts:
+        """The same packed weights launched with `config` (which must share their tiles), e.g. for a sweep."""
+        layout = self.config or TritonConfig()
+        assert (config.block_k, config.tile_n_gate_up, config.tile_n_down) == (
+            layout.block_k, layout.tile_n_gate_up, layout.tile_n_down), "config needs other weight tiles"
+        other = copy.copy(self)
+        other.config = config
+        return other
 
     def route(self, pair_rows, pair_experts, pair_weights, num_rows: int) -> Routes:
         """Pairs grouped by expert and by row (rows in [0, num_rows)), both stable.
