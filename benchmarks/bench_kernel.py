@@ -499,7 +499,13 @@ def main(argv: list[str] | None = None) -> None:
                         "neighbours at each M (and a few of the vLLM peer's), and the graph time of each Triton launch "
                         "alone; both, and the best per M, go into the JSON and a closing summary (GPU)")
     parser.add_argument("--sweep-iters", type=int, default=20, help="iterations per sweep measurement")
+    parser.add_argument("--summarize", type=Path, metavar="JSON", help="only print the closing summary of a results "
+                        "file (e.g. one a timed-out run wrote after its first model)")
     args = parser.parse_args(argv)
+    if args.summarize:
+        saved = json.loads(args.summarize.read_text())
+        _summary([Row(**r) for r in saved["results"]], saved.get("breakdown", []), saved.get("failures", []))
+        return
 
     device = torch.device(args.device)
     gpu = device.type == "cuda"
