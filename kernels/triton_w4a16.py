@@ -19,11 +19,14 @@ above, a counting sort over many programs, O(P) work: route_count_kernel, a cums
 route_scatter_kernel place the pairs by expert and by the row's low digit at once, then
 digit_count_kernel, a cumsum and digit_scatter_kernel once per further row digit. Positions depend
 only on the inputs.
+The combine finds a row's pairs through rbounds [T+1] (row t: positions [rbounds[t], rbounds[t+1])
+of the (row, pair) order): from the ranking, from the first pass's counts when one pass sorts the
+rows, else a binary search (row_bounds_kernel).
 GEMMs: each expert's pairs split into BLOCK_M-row blocks; one program owns (row block, BLOCK_N
 output columns), so a dequantized weight tile serves BLOCK_M rows (16-32 for decode, 64-128 for
 prefill); SWAP_AB computes the transpose, the weights being the MMA's left operand. down writes
-each pair's router-weighted row to its own row of a [P, H] fp32 buffer; combine_kernel sums a
-row's pairs in pair order. No float atomics: the output is bitwise the same run to run. gate_up
+each pair's router-weighted row to its own row of a [P, H] fp32 buffer; combine_kernel (one program
+per row and column block) sums a row's pairs in pair order. No float atomics: the output is bitwise the same run to run. gate_up
 also zeroes a slice of `out` (rows without pairs stay zero).
 """
 from __future__ import annotations
@@ -222,16 +225,16 @@ def _earlier(keys_ptr, offs_c, key, offs, P, BIG: tl.constexpr):
 
 @triton.jit
 def rank_route_kernel(
-    experts_ptr, rows_ptr, weights_ptr, P, E,  # [P] local expert, row, router weight of each pair
+    experts_ptr, rows_ptr, weights_ptr, P, E, T,  # [P] local expert, row (< T), router weight of each pair
     bounds_ptr, srows_ptr, sweights_ptr, spairs_ptr,  # out: [E+1] int32; [P] row, fp32 weight, pair by expert
-    crows_ptr, cpairs_ptr,  # out: [P] int32 row and pair, sorted by (row, pair): the combine's order
-    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
+    crows_ptr, cpairs_ptr, rbounds_ptr,  # out: [P] int32 row and pair sorted by (row, pair); [T+1] int32
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Both stable orders in one program, for P <= BLOCK_P (decode): each pair goes to (pairs with a
     smaller key) + (earlier pairs with the same key), counted BLOCK_C pairs at a time in an unrolled
     loop (the earlier form, a loop over all P in P / BLOCK_P programs, cost about 1 us per step on the
-    H200: 17 us at 512 pairs, 252 us at 8192), and bounds[e] = pairs of experts below e. O(P^2) work,
-    one launch, no atomics."""
+    H200: 17 us at 512 pairs, 252 us at 8192), bounds[e] = pairs of experts below e and rbounds[t] =
+    pairs of rows below t. O(P^2 + T*P) work, one launch, no atomics."""
     offs = tl.arange(0, BLOCK_P)
     valid = offs < P
     ex = tl.load(experts_ptr + offs, mask=valid, other=0).to(tl.int32)
@@ -252,6 +255,10 @@ def rank_route_kernel(
     tl.store(sweights_ptr + by_expert, tl.load(weights_ptr + offs, mask=valid, other=0.0).to(tl.float32), mask=valid)
     tl.store(cpairs_ptr + by_row, offs, mask=valid)
     tl.store(crows_ptr + by_row, row, mask=valid)
+    for t0 in range(0, T + 1, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        below_t = tl.sum(((row[None, :] < offs_t[:, None]) & valid[None, :]).to(tl.int32), axis=1)  # [BT]
+        tl.store(rbounds_ptr + offs_t, below_t, mask=offs_t <= T)
 
 
 # stable counting sort, digit by digit, over many programs: O(P) work in a fixed number of launches.
@@ -352,6 +359,26 @@ def digit_scatter_kernel(
     dest = _destinations(keys_ptr, shift, P, starts_ptr, num_blocks, BLOCK_P, BLOCK_C, NUM_DIGITS)
     tl.store(items_out + dest, tl.load(items_ptr + offs, mask=valid, other=0), mask=valid)
     tl.store(keys_out + dest, tl.load(keys_ptr + offs, mask=valid, other=0).to(tl.int32), mask=valid)
+
+
+@triton.jit
+def row_bounds_kernel(
+    crows_ptr, P, T, steps,  # [P] int32 rows in ascending order; steps >= bit_length(P)
+    rbounds_ptr,  # out: [T+1] int32, the first position of each row (P past the last)
+    BLOCK_T: tl.constexpr,
+):
+    """rbounds[t] = first j with crows[j] >= t, by a binary search per t (for rows sorted in several passes,
+    whose last pass's starts are digit starts, not row starts)."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    lo = tl.zeros([BLOCK_T], dtype=tl.int32)
+    hi = tl.zeros([BLOCK_T], dtype=tl.int32) + P
+    for _ in range(steps):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(crows_ptr + mid, mask=active, other=0)
+        lo = tl.where(active & (v < offs_t), mid + 1, lo)
+        hi = tl.where(active & (v >= offs_t), mid, hi)
+    tl.store(rbounds_ptr + offs_t, lo, mask=offs_t <= T)
 
 
 # ---- the grouped GEMMs -------------------------------------------------------------------------------
@@ -570,30 +597,26 @@ def down_rows(
 @triton.jit
 def combine_kernel(
     part_ptr, stride_pp,  # [P, H] fp32 router-weighted pair rows (down_kernel)
-    crows_ptr, cpairs_ptr, P,  # [P] int32 row and pair index, sorted by (row, pair)
+    cpairs_ptr, rbounds_ptr, stride_rb,  # [P] int32 pair index sorted by (row, pair); [T+1] int32 (strided)
     out_ptr, stride_ot,  # [T, H] fp32; rows without pairs keep the zeros gate_up wrote
     H, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """out[row] = its pairs' rows summed in pair order, BLOCK_R at a time: a fixed order, no atomics.
+    """out[t] = row t's pairs' rows summed in pair order, BLOCK_R at a time: a fixed order, no atomics.
 
-    Program (j, nb) works only if sorted position j starts its row's run; the run is contiguous.
+    Program (t, nb): row t's pairs are positions [rbounds[t], rbounds[t+1]) of cpairs. One program per
+    row, not per position: no programs that only find they start no run.
     """
-    j = tl.program_id(0)
+    t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = offs_n < H
-    row = tl.load(crows_ptr + j)
-    prev = tl.where(j > 0, tl.load(crows_ptr + tl.maximum(j - 1, 0)), -1)  # rows are >= 0
-    first = prev != row  # only the program at the start of a row's run writes the row
+    lo = tl.load(rbounds_ptr + t * stride_rb)
+    hi = tl.load(rbounds_ptr + (t + 1) * stride_rb)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    k = j
-    more = first
-    while more:
+    for k in range(lo, hi, BLOCK_R):
         offs_k = k + tl.arange(0, BLOCK_R)  # [BR]
-        mine = tl.load(crows_ptr + offs_k, mask=offs_k < P, other=-1) == row
-        pairs = tl.load(cpairs_ptr + offs_k, mask=mine, other=0)
+        mine = offs_k < hi
+        pairs = tl.load(cpairs_ptr + offs_k, mask=mine, other=0).to(tl.int64)
         part = tl.load(part_ptr + pairs[:, None] * stride_pp + offs_n[None, :], mask=mine[:, None] & n_mask[None, :],
                        other=0.0)  # [BR, BN]
         acc += tl.sum(part, axis=0)
-        k += BLOCK_R
-        more = tl.sum(mine.to(tl.int32), axis=0) == BLOCK_R  # a full window: the run may go on
-    tl.store(out_ptr + row * stride_ot + offs_n, acc, mask=tl.where(first, n_mask, False))
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, acc, mask=tl.where(hi > lo, n_mask, False))

@@ -6,7 +6,7 @@
                     cumsum, digit_scatter_kernel per further digit)
     gate_up_kernel: x[rows] @ w13[e]^T -> act(gate) * up          [P, I]  (fp16/bf16); zeroes out
     down_kernel:    act @ w2[e]^T * router weight -> pair rows     [P, H]  (fp32)
-    combine_kernel: each row's pair rows summed in pair order       [T, H]  (fp32)
+    combine_kernel: each row's pair rows summed in pair order       [T, H]  (fp32), one program per row
 No float atomics anywhere: the output is bitwise identical run to run.
 Kernels and weight layout: kernels/triton_w4a16.py.
 """
@@ -24,7 +24,8 @@ from kernels.quant import Int4Weights, QuantScheme, W4A16ExpertWeights, unpack_i
 
 GROUP_SIZES = (32, 64, 128, 256)
 BLOCK_KS = (64, 128)
-COMBINE_BLOCK_R, COMBINE_BLOCK_N = 16, 256  # pairs a combine program adds per step, columns it owns
+COMBINE_BLOCK_R, COMBINE_BLOCK_N = 8, 256  # pairs a combine program adds per step (top-8: one), columns it owns
+ROW_BOUNDS_BLOCK = 1024  # rows a row_bounds_kernel program searches for
 RADIX_BITS = 8  # at most 2^8 digits per routing pass over rows
 FEW_EXPERTS = 16  # for_load: up to here a layer's experts are few and large (Mixtral), above many and small (Qwen3)
 ROUTE_RANK_MAX_PAIRS = 256  # up to here one program ranks all pairs (O(P^2) work); above, counting passes
@@ -132,7 +133,8 @@ class Routes:
 
     By expert (position s): expert e owns s in [bounds[e], bounds[e+1]); rows, router and pairs
     give each position's row, fp32 router weight and pair index. By row (position j): crows and
-    cpairs, sorted by (row, pair index), the order combine_kernel adds a row's pairs in.
+    cpairs, sorted by (row, pair index), the order combine_kernel adds a row's pairs in; row t owns
+    j in [row_bounds[t], row_bounds[t+1]).
     """
 
     bounds: torch.Tensor  # [E+1] int32, a strided view (kernels take its stride)
@@ -141,6 +143,7 @@ class Routes:
     pairs: torch.Tensor  # [P] int32
     crows: torch.Tensor  # [P] int32
     cpairs: torch.Tensor  # [P] int32
+    row_bounds: torch.Tensor  # [T+1] int32, a strided view
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,11 +223,13 @@ class TritonExperts(PreparedExperts):
         router = torch.empty(p, dtype=torch.float32, device=dev)
         if p <= ROUTE_RANK_MAX_PAIRS:
             bounds = torch.empty(e + 1, dtype=torch.int32, device=dev)
+            row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=dev)
             self.kernels.rank_route_kernel[(1,)](
-                pair_experts, pair_rows, pair_weights, p, e, bounds, rows, router, pairs, crows, cpairs,
-                BLOCK_P=max(16, _next_pow2(p)), BLOCK_C=ROUTE_COMPARE_BLOCK, BLOCK_B=_next_pow2(e + 1), num_warps=4,
+                pair_experts, pair_rows, pair_weights, p, e, num_rows, bounds, rows, router, pairs, crows, cpairs,
+                row_bounds, BLOCK_P=max(16, _next_pow2(p)), BLOCK_C=ROUTE_COMPARE_BLOCK, BLOCK_B=_next_pow2(e + 1),
+                BLOCK_T=64, num_warps=4,
             )
-            return Routes(bounds, rows, router, pairs, crows, cpairs)
+            return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds)
         row_bits = max(1, (num_rows - 1).bit_length())
         digits = max(2, _next_pow2(e), 1 << min(row_bits, RADIX_BITS))
         block_p, blocks = self._blocks(p, digits)
@@ -241,9 +246,15 @@ class TritonExperts(PreparedExperts):
         done = digits.bit_length() - 1  # row bits the first pass sorted by
         passes = _cdiv(max(0, row_bits - done), RADIX_BITS)
         width = _cdiv(row_bits - done, passes) if passes else 0
+        if not passes:  # the first pass sorted whole rows: its row-digit starts are the row starts
+            return Routes(bounds, rows, router, pairs, crows, cpairs, starts[1, ::blocks][: num_rows + 1])
         for i in range(passes):
             crows, cpairs = self._row_pass(crows, cpairs, done + i * width, 1 << width)
-        return Routes(bounds, rows, router, pairs, crows, cpairs)
+        row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=dev)
+        self.kernels.row_bounds_kernel[(_cdiv(num_rows + 1, ROW_BOUNDS_BLOCK),)](
+            crows, p, num_rows, p.bit_length(), row_bounds, BLOCK_T=ROW_BOUNDS_BLOCK, num_warps=4,
+        )
+        return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds)
 
     @staticmethod
     def _blocks(p: int, digits: int) -> tuple[int, int]:
@@ -332,9 +343,9 @@ class TritonExperts(PreparedExperts):
     def combine(self, part, routes: Routes, out) -> None:
         """out[row] = sum of its pairs' rows of `part`, in pair order (rows without pairs untouched)."""
         h = self.hidden_size
-        self.kernels.combine_kernel[(part.shape[0], _cdiv(h, COMBINE_BLOCK_N))](
-            part, part.stride(0), routes.crows, routes.cpairs, part.shape[0], out, out.stride(0), h,
-            BLOCK_R=COMBINE_BLOCK_R, BLOCK_N=COMBINE_BLOCK_N, num_warps=4,
+        self.kernels.combine_kernel[(out.shape[0], _cdiv(h, COMBINE_BLOCK_N))](
+            part, part.stride(0), routes.cpairs, routes.row_bounds, routes.row_bounds.stride(0), out, out.stride(0),
+            h, BLOCK_R=COMBINE_BLOCK_R, BLOCK_N=COMBINE_BLOCK_N, num_warps=2,
         )
 
 

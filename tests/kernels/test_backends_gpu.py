@@ -172,3 +172,6 @@ def test_triton_route(cuda, experts, pairs, num_rows, index_dtype):
     by_row = torch.sort(pair_rows, stable=True)
     assert torch.equal(routes.crows.cpu().long(), by_row.values)
     assert torch.equal(routes.cpairs.cpu().long(), by_row.indices)
+    row_counts = torch.bincount(pair_rows, minlength=num_rows)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), row_counts.cumsum(0)])  # row t: [starts[t], starts[t+1])
+    assert torch.equal(routes.row_bounds.cpu().long(), starts)

@@ -29,6 +29,9 @@ def check_route(experts: int, pairs: int, num_rows: int, gen: torch.Generator) -
     by_row = torch.sort(pair_rows, stable=True)
     assert torch.equal(routes.crows.long(), by_row.values)
     assert torch.equal(routes.cpairs.long(), by_row.indices)
+    row_counts = torch.bincount(pair_rows, minlength=num_rows)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), row_counts.cumsum(0)])  # row t: [starts[t], starts[t+1])
+    assert torch.equal(routes.row_bounds.long(), starts)
 
 
 def main() -> None:
