@@ -29,6 +29,7 @@ ROW_BOUNDS_BLOCK = 1024  # rows a row_bounds_kernel program searches for
 RADIX_BITS = 8  # at most 2^8 digits per routing pass over rows
 FEW_EXPERTS = 16  # for_load: up to here a layer's experts are few and large (Mixtral), above many and small (Qwen3)
 ROUTE_RANK_MAX_PAIRS = 256  # up to here one program ranks all pairs (O(P^2) work); above, counting passes
+ROUTE_RANK_MAX_ROWS = 1024  # ... if the rows are this few too: the program finds every row's bounds (O(T*P))
 ROUTE_COMPARE_BLOCK = 32  # pairs a routing program compares its own with per step
 
 
@@ -214,14 +215,15 @@ class TritonExperts(PreparedExperts):
     def route(self, pair_rows, pair_experts, pair_weights, num_rows: int) -> Routes:
         """Pairs grouped by expert and by row (rows in [0, num_rows)), both stable.
 
-        Up to ROUTE_RANK_MAX_PAIRS: one program ranks every pair (rank_route_kernel). Above: stable
-        counting sorts, O(P) work in count / cumsum / scatter launches: the first pass by expert and by
-        the row's low digit at once, then LSD passes of up to RADIX_BITS bits for the rest of the row.
+        Up to ROUTE_RANK_MAX_PAIRS pairs and ROUTE_RANK_MAX_ROWS rows: one program ranks every pair
+        (rank_route_kernel). Else stable counting sorts, O(P) work in count / cumsum / scatter
+        launches: the first pass by expert and by the row's low digit at once, then LSD passes of up
+        to RADIX_BITS bits for the rest of the row, and a binary search for the row bounds.
         """
         e, p, dev = self.num_experts, pair_rows.numel(), pair_rows.device
         pairs, rows, crows, cpairs = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(4))
         router = torch.empty(p, dtype=torch.float32, device=dev)
-        if p <= ROUTE_RANK_MAX_PAIRS:
+        if p <= ROUTE_RANK_MAX_PAIRS and num_rows <= ROUTE_RANK_MAX_ROWS:
             bounds = torch.empty(e + 1, dtype=torch.int32, device=dev)
             row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=dev)
             self.kernels.rank_route_kernel[(1,)](

@@ -11,7 +11,8 @@ from kernels.reference import moe_experts_w4a16_reference
 
 def check_route(experts: int, pairs: int, num_rows: int, gen: torch.Generator) -> None:
     """Both routings give exactly torch's stable sorts: ranking (one program) and, above
-    ROUTE_RANK_MAX_PAIRS, counting (several blocks; by row one pass, or two past 8 row bits)."""
+    ROUTE_RANK_MAX_PAIRS pairs or ROUTE_RANK_MAX_ROWS rows, counting (several blocks; by row one
+    pass, or two past 8 row bits)."""
     pair_experts = torch.randint(0, experts, (pairs,), generator=gen)
     pair_rows = torch.randint(0, num_rows, (pairs,), generator=gen)
     pair_weights = torch.rand(pairs, generator=gen)
@@ -36,7 +37,8 @@ def check_route(experts: int, pairs: int, num_rows: int, gen: torch.Generator) -
 
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
-    routings = [(6, 37, 50), (128, 700, 200), (128, 700, 1000), (3, 600, 1 << 9), (128, 9000, 1 << 12)]
+    routings = [(6, 37, 50), (4, 50, 5000), (128, 700, 200), (128, 700, 1000), (3, 600, 1 << 9),
+                (128, 9000, 1 << 12)]
     for experts, pairs, num_rows in routings:
         check_route(experts, pairs, num_rows, gen)
     # (experts, hidden, inter, group, tokens per expert, rows, config): partial N tiles, 2 M tiles,
