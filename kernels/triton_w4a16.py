@@ -13,15 +13,15 @@ Layout (made by kernels.backends.triton_moe from the canonical one), per project
   s: [E, Kp/G, Np] float32 signed scales (zero in the padding), N contiguous; the scale multiplies
      each group's fp32 partial dot (decode) or, SCALE_W, the 16-bit weights.
 Routing groups the pairs by expert -- bounds [E+1], and per sorted position the row, pair index
-and router weight -- and by row for the combine, both stable: up to ROUTE_RANK_MAX_PAIRS
-(kernels.backends.triton_moe) one program ranks every pair against all others (rank_route_kernel);
-above, a counting sort over many programs, O(P) work: route_count_kernel, a cumsum and
-route_scatter_kernel place the pairs by expert and by the row's low digit at once, then
-digit_count_kernel, a cumsum and digit_scatter_kernel once per further row digit. Positions depend
-only on the inputs.
+and router weight -- and by row for the combine, both stable: up to ROUTE_SORT_MAX_PAIRS
+(kernels.backends.triton_moe) one program sorts them with tl.sort (sort_route_kernel, main's
+decode routing); above, a counting sort over many programs, O(P) work: route_count_kernel, a
+cumsum and route_scatter_kernel place the pairs by expert and by the row's low digit at once,
+then digit_count_kernel, a cumsum and digit_scatter_kernel once per further row digit. Positions
+depend only on the inputs; the only atomics count integers.
 The combine finds a row's pairs through rbounds [T+1] (row t: positions [rbounds[t], rbounds[t+1])
-of the (row, pair) order): from the ranking, from the first pass's counts when one pass sorts the
-rows, else a binary search (row_bounds_kernel).
+of the (row, pair) order): from the sort program's row counts, from the first pass's counts when
+one pass sorts the rows, else a binary search (row_bounds_kernel).
 GEMMs: each expert's pairs split into BLOCK_M-row blocks; one program owns (row block, BLOCK_N
 output columns), so a dequantized weight tile serves BLOCK_M rows (16-32 for decode, 64-128 for
 prefill); SWAP_AB computes the transpose, the weights being the MMA's left operand. down writes
@@ -216,49 +216,45 @@ def _activate(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _earlier(keys_ptr, offs_c, key, offs, P, BIG: tl.constexpr):
-    """[BP] how many of the keys at positions offs_c sort before each (key, offs): smaller, or equal and earlier."""
-    other = tl.load(keys_ptr + offs_c, mask=offs_c < P, other=BIG).to(tl.int32)  # padding sorts last
-    before = (other[None, :] < key[:, None]) | ((other[None, :] == key[:, None]) & (offs_c[None, :] < offs[:, None]))
-    return tl.sum(before.to(tl.int32), axis=1)
+def _store_starts(starts_ptr, keys, valid, N, BLOCK: tl.constexpr):
+    """starts[k] = how many of the keys (each < N) are below k, k = 0..N: counts by integer atomics (exact
+    in any order), then an exclusive cumsum. One program; the barriers order its steps."""
+    offs = tl.arange(0, BLOCK)
+    tl.store(starts_ptr + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=offs <= N)
+    tl.debug_barrier()
+    tl.atomic_add(starts_ptr + keys, 1, mask=valid, sem="relaxed")
+    tl.debug_barrier()
+    counts = tl.load(starts_ptr + offs, mask=offs < N, other=0, volatile=True)
+    tl.debug_barrier()
+    tl.store(starts_ptr + offs, tl.cumsum(counts, 0) - counts, mask=offs <= N)  # starts[N] = all keys
 
 
 @triton.jit
-def rank_route_kernel(
+def sort_route_kernel(
     experts_ptr, rows_ptr, weights_ptr, P, E, T,  # [P] local expert, row (< T), router weight of each pair
     bounds_ptr, srows_ptr, sweights_ptr, spairs_ptr,  # out: [E+1] int32; [P] row, fp32 weight, pair by expert
     crows_ptr, cpairs_ptr, rbounds_ptr,  # out: [P] int32 row and pair sorted by (row, pair); [T+1] int32
-    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Both stable orders in one program, for P <= BLOCK_P (decode): each pair goes to (pairs with a
-    smaller key) + (earlier pairs with the same key), counted BLOCK_C pairs at a time in an unrolled
-    loop (the earlier form, a loop over all P in P / BLOCK_P programs, cost about 1 us per step on the
-    H200: 17 us at 512 pairs, 252 us at 8192), bounds[e] = pairs of experts below e and rbounds[t] =
-    pairs of rows below t. O(P^2 + T*P) work, one launch, no atomics."""
+    """Both stable orders in one program, for P <= BLOCK_P (decode): tl.sort of key * BLOCK_P + pair
+    index (main's route_kernel), so the order depends only on the inputs; bounds[e] = pairs of experts
+    below e, rbounds[t] = pairs of rows below t. The caller keeps T * BLOCK_P below 2^31."""
     offs = tl.arange(0, BLOCK_P)
     valid = offs < P
     ex = tl.load(experts_ptr + offs, mask=valid, other=0).to(tl.int32)
-    row = tl.load(rows_ptr + offs, mask=valid, other=0).to(tl.int32)
-    offs_b = tl.arange(0, BLOCK_B)  # bounds[0..E]
-    by_expert = tl.zeros([BLOCK_P], dtype=tl.int32)
-    by_row = tl.zeros([BLOCK_P], dtype=tl.int32)
-    below = tl.zeros([BLOCK_B], dtype=tl.int32)
-    for c0 in tl.static_range(0, BLOCK_P, BLOCK_C):
-        offs_c = c0 + tl.arange(0, BLOCK_C)
-        by_expert += _earlier(experts_ptr, offs_c, ex, offs, P, 2147483647)
-        by_row += _earlier(rows_ptr, offs_c, row, offs, P, 2147483647)
-        ex_c = tl.load(experts_ptr + offs_c, mask=offs_c < P, other=2147483647).to(tl.int32)
-        below += tl.sum((ex_c[None, :] < offs_b[:, None]).to(tl.int32), axis=1)
-    tl.store(bounds_ptr + offs_b, below, mask=offs_b <= E)
-    tl.store(spairs_ptr + by_expert, offs, mask=valid)
-    tl.store(srows_ptr + by_expert, row, mask=valid)
-    tl.store(sweights_ptr + by_expert, tl.load(weights_ptr + offs, mask=valid, other=0.0).to(tl.float32), mask=valid)
-    tl.store(cpairs_ptr + by_row, offs, mask=valid)
-    tl.store(crows_ptr + by_row, row, mask=valid)
-    for t0 in range(0, T + 1, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        below_t = tl.sum(((row[None, :] < offs_t[:, None]) & valid[None, :]).to(tl.int32), axis=1)  # [BT]
-        tl.store(rbounds_ptr + offs_t, below_t, mask=offs_t <= T)
+    rows = tl.load(rows_ptr + offs, mask=valid, other=0).to(tl.int32)
+    _store_starts(bounds_ptr, ex, valid, E, BLOCK_E)
+    _store_starts(rbounds_ptr, rows, valid, T, BLOCK_T)
+
+    last = 2147483647  # padding lanes sort after every pair
+    by_expert = tl.sort(tl.where(valid, ex * BLOCK_P + offs, last))  # [BLOCK_P]
+    pair = by_expert % BLOCK_P
+    tl.store(spairs_ptr + offs, pair, mask=valid)
+    tl.store(srows_ptr + offs, tl.load(rows_ptr + pair, mask=valid, other=0).to(tl.int32), mask=valid)
+    tl.store(sweights_ptr + offs, tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32), mask=valid)
+    by_row = tl.sort(tl.where(valid, rows * BLOCK_P + offs, last))  # [BLOCK_P]
+    tl.store(crows_ptr + offs, by_row // BLOCK_P, mask=valid)
+    tl.store(cpairs_ptr + offs, by_row % BLOCK_P, mask=valid)
 
 
 # stable counting sort, digit by digit, over many programs: O(P) work in a fixed number of launches.

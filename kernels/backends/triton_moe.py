@@ -1,6 +1,6 @@
 """Triton backend: grouped W4A16 MoE on CUDA and ROCm (gfx11) GPUs, routing, then three launches per layer.
 
-    routing:        pairs grouped by expert and by row -> Routes  (rank_route_kernel, one
+    routing:        pairs grouped by expert and by row -> Routes  (sort_route_kernel, one
                     program, for few pairs; else counting sorts: route_count_kernel, cumsum,
                     route_scatter_kernel, and for rows of more than 8 bits digit_count_kernel,
                     cumsum, digit_scatter_kernel per further digit)
@@ -28,9 +28,13 @@ COMBINE_BLOCK_R, COMBINE_BLOCK_N = 8, 256  # pairs a combine program adds per st
 ROW_BOUNDS_BLOCK = 1024  # rows a row_bounds_kernel program searches for
 RADIX_BITS = 8  # at most 2^8 digits per routing pass over rows
 FEW_EXPERTS = 16  # for_load: up to here a layer's experts are few and large (Mixtral), above many and small (Qwen3)
-ROUTE_RANK_MAX_PAIRS = 256  # up to here one program ranks all pairs (O(P^2) work); above, counting passes
-ROUTE_RANK_MAX_ROWS = 1024  # ... if the rows are this few too: the program finds every row's bounds (O(T*P))
-ROUTE_COMPARE_BLOCK = 32  # pairs a routing program compares its own with per step
+# Up to here one program sorts all pairs (tl.sort, main's decode routing); above, counting passes. H200, Qwen3
+# (128 experts), 2026-12-02: the counting passes took 24.3 / 25.0 us at 512 / 1024 pairs, a one-program
+# ranking 8.8 / 20.8 us at 128 / 256, while main's whole layer with this sort took 107-130 us at 128-1024
+# pairs (the branch's 116-154); at 2048 pairs the counting passes took 16.8 us and main's layer 158 against 139.
+ROUTE_SORT_MAX_PAIRS = 1024
+ROUTE_SORT_MAX_ROWS = 1024  # ... if the rows are this few too (T * the sort's block stays below 2^31)
+ROUTE_COMPARE_BLOCK = 32  # pairs a counting program compares its own with per step
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,21 +219,21 @@ class TritonExperts(PreparedExperts):
     def route(self, pair_rows, pair_experts, pair_weights, num_rows: int) -> Routes:
         """Pairs grouped by expert and by row (rows in [0, num_rows)), both stable.
 
-        Up to ROUTE_RANK_MAX_PAIRS pairs and ROUTE_RANK_MAX_ROWS rows: one program ranks every pair
-        (rank_route_kernel). Else stable counting sorts, O(P) work in count / cumsum / scatter
+        Up to ROUTE_SORT_MAX_PAIRS pairs and ROUTE_SORT_MAX_ROWS rows: one program sorts them
+        (sort_route_kernel). Else stable counting sorts, O(P) work in count / cumsum / scatter
         launches: the first pass by expert and by the row's low digit at once, then LSD passes of up
         to RADIX_BITS bits for the rest of the row, and a binary search for the row bounds.
         """
         e, p, dev = self.num_experts, pair_rows.numel(), pair_rows.device
         pairs, rows, crows, cpairs = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(4))
         router = torch.empty(p, dtype=torch.float32, device=dev)
-        if p <= ROUTE_RANK_MAX_PAIRS and num_rows <= ROUTE_RANK_MAX_ROWS:
+        if p <= ROUTE_SORT_MAX_PAIRS and num_rows <= ROUTE_SORT_MAX_ROWS:
             bounds = torch.empty(e + 1, dtype=torch.int32, device=dev)
             row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=dev)
-            self.kernels.rank_route_kernel[(1,)](
+            self.kernels.sort_route_kernel[(1,)](
                 pair_experts, pair_rows, pair_weights, p, e, num_rows, bounds, rows, router, pairs, crows, cpairs,
-                row_bounds, BLOCK_P=max(16, _next_pow2(p)), BLOCK_C=ROUTE_COMPARE_BLOCK, BLOCK_B=_next_pow2(e + 1),
-                BLOCK_T=64, num_warps=4,
+                row_bounds, BLOCK_P=max(16, _next_pow2(p)), BLOCK_E=_next_pow2(e + 1),
+                BLOCK_T=_next_pow2(num_rows + 1), num_warps=4,
             )
             return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds)
         row_bits = max(1, (num_rows - 1).bit_length())

@@ -10,8 +10,8 @@ from kernels.reference import moe_experts_w4a16_reference
 
 
 def check_route(experts: int, pairs: int, num_rows: int, gen: torch.Generator) -> None:
-    """Both routings give exactly torch's stable sorts: ranking (one program) and, above
-    ROUTE_RANK_MAX_PAIRS pairs or ROUTE_RANK_MAX_ROWS rows, counting (several blocks; by row one
+    """Both routings give exactly torch's stable sorts: one sorting program and, above
+    ROUTE_SORT_MAX_PAIRS pairs or ROUTE_SORT_MAX_ROWS rows, counting (several blocks; by row one
     pass, or two past 8 row bits)."""
     pair_experts = torch.randint(0, experts, (pairs,), generator=gen)
     pair_rows = torch.randint(0, num_rows, (pairs,), generator=gen)
@@ -37,8 +37,9 @@ def check_route(experts: int, pairs: int, num_rows: int, gen: torch.Generator) -
 
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
-    routings = [(6, 37, 50), (4, 50, 5000), (128, 700, 200), (128, 700, 1000), (3, 600, 1 << 9),
-                (128, 9000, 1 << 12)]
+    # (experts, pairs, rows): sorting program (the first and the last two of up to 1024 pairs), then counting
+    routings = [(6, 37, 50), (4, 50, 5000), (128, 1500, 200), (128, 1500, 1000), (3, 600, 1 << 9),
+                (128, 1024, 1000), (128, 9000, 1 << 12)]
     for experts, pairs, num_rows in routings:
         check_route(experts, pairs, num_rows, gen)
     # (experts, hidden, inter, group, tokens per expert, rows, config): partial N tiles, 2 M tiles,
