@@ -315,10 +315,12 @@ DECODE_MAX_TOKENS = 16  # the sweep times decode neighbours up to here, prefill 
 
 
 def decode_neighbours(cfg) -> list:
-    """cfg and one step from it in each decode direction: swap_ab, 3 <-> 4 stages, down tiles of 128 <-> 256 rows."""
+    """cfg and one step from it in each decode direction: swap_ab, 3 <-> 4 stages, down tiles of 128 <-> 256 rows,
+    main's expert grid <-> row blocks."""
     down = replace(cfg, block_n_down=256, num_warps_down=8) if cfg.block_n_down != 256 else \
         replace(cfg, block_n_down=128, num_warps_down=None)
-    return [cfg, replace(cfg, swap_ab=not cfg.swap_ab), replace(cfg, num_stages=7 - cfg.num_stages), down]
+    return [cfg, replace(cfg, swap_ab=not cfg.swap_ab), replace(cfg, num_stages=7 - cfg.num_stages), down,
+            replace(cfg, expert_grid=not cfg.expert_grid)]
 
 
 def prefill_neighbours(cfg) -> list:

@@ -24,10 +24,12 @@ of the (row, pair) order): from the sort program's row counts, from the first pa
 one pass sorts the rows, else a binary search (row_bounds_kernel).
 GEMMs: each expert's pairs split into BLOCK_M-row blocks; one program owns (row block, BLOCK_N
 output columns), so a dequantized weight tile serves BLOCK_M rows (16-32 for decode, 64-128 for
-prefill); SWAP_AB computes the transpose, the weights being the MMA's left operand. down writes
-each pair's router-weighted row to its own row of a [P, H] fp32 buffer; combine_kernel (one program
-per row and column block) sums a row's pairs in pair order. No float atomics: the output is bitwise the same run to run. gate_up
-also zeroes a slice of `out` (rows without pairs stay zero).
+prefill), or, EXPERT_GRID (main's decode grid, no row-block lookup), (expert, BLOCK_N columns)
+and walks the expert's row blocks; SWAP_AB computes the transpose, the weights being the MMA's
+left operand. down writes each pair's router-weighted row to its own row of a [P, H] fp32 buffer;
+combine_kernel (one program per row and column block) sums a row's pairs in pair order. No float
+atomics: the output is bitwise the same run to run. gate_up also zeroes a slice of `out` (rows
+without pairs stay zero).
 """
 from __future__ import annotations
 
@@ -485,52 +487,78 @@ def gate_up_kernel(
     TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     ACTIVATION: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
     SCALE_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-    ZERO_BLOCK: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr, EXPERT_GRID: tl.constexpr,
 ):
-    """One program: BLOCK_M sorted positions of one expert x BLOCK_N gate columns and their up columns."""
+    """One program: BLOCK_N gate columns and their up columns of BLOCK_M sorted positions of one expert
+    (program = _work_item's), or EXPERT_GRID of each of the expert's row blocks in turn (program =
+    column block * E + expert)."""
     pid = tl.program_id(0)
     z_end = tl.minimum(pid * zero_chunk + zero_chunk, zero_numel)  # this program's slice of the output
     for z in range(pid * zero_chunk, z_end, ZERO_BLOCK):
         offs_z = z + tl.arange(0, ZERO_BLOCK)
         tl.store(zero_ptr + offs_z, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=offs_z < z_end)
 
-    e, m0, end, nb = _work_item(pid, num_n, num_m, bounds_ptr, stride_b, E, BLOCK_M, BLOCK_E, GROUP_M)
-    if e < E:
-        offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM] sorted positions
-        m_mask = offs_m < end
-        rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
-        x_base, row_mask, cols = _x_pointers(x_ptr, rows, stride_xt, m_mask, BLOCK_K, SCALE_W, SWAP_AB)
-        in_tile, offs_n = _tile_offsets(nb, stride_wt, BLOCK_N, TILE_N, BLOCK_K // 4, SWAP_AB)
-        n_ok = offs_n < Ip
-        w_gate = w_ptr + e.to(tl.int64) * stride_we + in_tile  # gate rows offs_n; up rows are + Ip
-        w_up = w_gate + (Ip // TILE_N) * stride_wt
-        s_gate = s_ptr + e.to(tl.int64) * stride_se + offs_n  # [BN]
-        s_up = s_gate + Ip
-        if SWAP_AB:
-            acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if EXPERT_GRID:
+        e = pid % E
+        nb = pid // E
+        end = tl.load(bounds_ptr + (e + 1) * stride_b)
+        for m0 in range(tl.load(bounds_ptr + e * stride_b), end, BLOCK_M):
+            _gate_up_block(x_ptr, stride_xt, srows_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt, s_ptr, stride_se,
+                           stride_sg, act_ptr, stride_at, I, Ip, H, GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N,
+                           ACTIVATION, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES)
+    else:
+        e, m0, end, nb = _work_item(pid, num_n, num_m, bounds_ptr, stride_b, E, BLOCK_M, BLOCK_E, GROUP_M)
+        if e < E:
+            _gate_up_block(x_ptr, stride_xt, srows_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt, s_ptr, stride_se,
+                           stride_sg, act_ptr, stride_at, I, Ip, H, GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N,
+                           ACTIVATION, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES)
+
+
+@triton.jit
+def _gate_up_block(
+    x_ptr, stride_xt, srows_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt, s_ptr, stride_se, stride_sg,
+    act_ptr, stride_at, I, Ip, H,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILE_N: tl.constexpr, ACTIVATION: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr,
+    SWAP_AB: tl.constexpr, SCALE_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """act rows m0.. (sorted positions of expert e below end) x gate_up_kernel's column block nb."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM] sorted positions
+    m_mask = offs_m < end
+    rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
+    x_base, row_mask, cols = _x_pointers(x_ptr, rows, stride_xt, m_mask, BLOCK_K, SCALE_W, SWAP_AB)
+    in_tile, offs_n = _tile_offsets(nb, stride_wt, BLOCK_N, TILE_N, BLOCK_K // 4, SWAP_AB)
+    n_ok = offs_n < Ip
+    w_gate = w_ptr + e.to(tl.int64) * stride_we + in_tile  # gate rows offs_n; up rows are + Ip
+    w_up = w_gate + (Ip // TILE_N) * stride_wt
+    s_gate = s_ptr + e.to(tl.int64) * stride_se + offs_n  # [BN]
+    s_up = s_gate + Ip
+    if SWAP_AB:
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros_like(acc_gate)
+    for b in tl.range(0, tl.cdiv(H, BLOCK_K), num_stages=NUM_STAGES):
+        wg = _load_w(w_gate + b * (TILE_N * BLOCK_K // 4), n_ok, SWAP_AB, EVEN_N)
+        wu = _load_w(w_up + b * (TILE_N * BLOCK_K // 4), n_ok, SWAP_AB, EVEN_N)
+        g0, g1, g2, g3 = _split_quarters(wg, IS_BF16, USE_PTX)
+        u0, u1, u2, u3 = _split_quarters(wu, IS_BF16, USE_PTX)
+        if SCALE_W:
+            xk = _load_x(x_base + b * BLOCK_K, row_mask, cols + b * BLOCK_K, H, EVEN_K)
+            wg = _scaled_weights(g0, g1, g2, g3, s_gate, n_ok, b, stride_sg, BLOCK_K, GROUP, SWAP_AB)
+            acc_gate = _mma(xk, wg, acc_gate, SWAP_AB)
+            wu = _scaled_weights(u0, u1, u2, u3, s_up, n_ok, b, stride_sg, BLOCK_K, GROUP, SWAP_AB)
+            acc_up = _mma(xk, wu, acc_up, SWAP_AB)
         else:
-            acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros_like(acc_gate)
-        for b in tl.range(0, tl.cdiv(H, BLOCK_K), num_stages=NUM_STAGES):
-            wg = _load_w(w_gate + b * (TILE_N * BLOCK_K // 4), n_ok, SWAP_AB, EVEN_N)
-            wu = _load_w(w_up + b * (TILE_N * BLOCK_K // 4), n_ok, SWAP_AB, EVEN_N)
-            g0, g1, g2, g3 = _split_quarters(wg, IS_BF16, USE_PTX)
-            u0, u1, u2, u3 = _split_quarters(wu, IS_BF16, USE_PTX)
-            if SCALE_W:
-                xk = _load_x(x_base + b * BLOCK_K, row_mask, cols + b * BLOCK_K, H, EVEN_K)
-                wg = _scaled_weights(g0, g1, g2, g3, s_gate, n_ok, b, stride_sg, BLOCK_K, GROUP, SWAP_AB)
-                acc_gate = _mma(xk, wg, acc_gate, SWAP_AB)
-                wu = _scaled_weights(u0, u1, u2, u3, s_up, n_ok, b, stride_sg, BLOCK_K, GROUP, SWAP_AB)
-                acc_up = _mma(xk, wu, acc_up, SWAP_AB)
-            else:
-                x0, x1, x2, x3 = _x_quarters(x_base, row_mask, cols, b, H, BLOCK_K, EVEN_K)
-                acc_gate = _scaled_block(acc_gate, x0, x1, x2, x3, g0, g1, g2, g3, s_gate, n_ok, b, stride_sg,
-                                         BLOCK_K, GROUP, SWAP_AB)
-                acc_up = _scaled_block(acc_up, x0, x1, x2, x3, u0, u1, u2, u3, s_up, n_ok, b, stride_sg,
-                                       BLOCK_K, GROUP, SWAP_AB)
-        y = _rows_major(_activate(acc_gate, ACTIVATION) * acc_up, SWAP_AB)  # [BM, BN] fp32
-        out = act_ptr + offs_m[:, None] * stride_at + offs_n[None, :]
-        tl.store(out, y.to(act_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n[None, :] < I))
+            x0, x1, x2, x3 = _x_quarters(x_base, row_mask, cols, b, H, BLOCK_K, EVEN_K)
+            acc_gate = _scaled_block(acc_gate, x0, x1, x2, x3, g0, g1, g2, g3, s_gate, n_ok, b, stride_sg,
+                                     BLOCK_K, GROUP, SWAP_AB)
+            acc_up = _scaled_block(acc_up, x0, x1, x2, x3, u0, u1, u2, u3, s_up, n_ok, b, stride_sg,
+                                   BLOCK_K, GROUP, SWAP_AB)
+    y = _rows_major(_activate(acc_gate, ACTIVATION) * acc_up, SWAP_AB)  # [BM, BN] fp32
+    out = act_ptr + offs_m[:, None] * stride_at + offs_n[None, :]
+    tl.store(out, y.to(act_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n[None, :] < I))
 
 
 @triton.jit
@@ -544,22 +572,47 @@ def down_kernel(
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr, SCALE_W: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr, EXPERT_GRID: tl.constexpr,
 ):
-    """One program: BLOCK_M sorted positions of one expert x BLOCK_N output columns."""
-    e, m0, end, nb = _work_item(tl.program_id(0), num_n, num_m, bounds_ptr, stride_b, E, BLOCK_M, BLOCK_E, GROUP_M)
-    if e < E:
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < end
-        in_tile, offs_n = _tile_offsets(nb, stride_wt, BLOCK_N, TILE_N, BLOCK_K // 4, SWAP_AB)
-        acc = down_rows(act_ptr, stride_at, offs_m, m_mask, w_ptr + e.to(tl.int64) * stride_we + in_tile,
-                        s_ptr + e.to(tl.int64) * stride_se + offs_n, offs_n < Hp, stride_sg, I,
-                        GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K,
-                        EVEN_N, NUM_STAGES)
-        pairs = tl.load(spairs_ptr + offs_m, mask=m_mask, other=0)
-        router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)  # [BM]
-        out = part_ptr + pairs[:, None] * stride_pp + offs_n[None, :]
-        tl.store(out, acc * router[:, None], mask=m_mask[:, None] & (offs_n[None, :] < H))
+    """One program: BLOCK_M sorted positions of one expert x BLOCK_N output columns (program = _work_item's),
+    or EXPERT_GRID each of the expert's row blocks in turn (program = column block * E + expert)."""
+    pid = tl.program_id(0)
+    if EXPERT_GRID:
+        e = pid % E
+        nb = pid // E
+        end = tl.load(bounds_ptr + (e + 1) * stride_b)
+        for m0 in range(tl.load(bounds_ptr + e * stride_b), end, BLOCK_M):
+            _down_block(act_ptr, stride_at, spairs_ptr, sweights_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt,
+                        s_ptr, stride_se, stride_sg, part_ptr, stride_pp, H, Hp, I, GROUP, BLOCK_K, BLOCK_M, BLOCK_N,
+                        TILE_N, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES)
+    else:
+        e, m0, end, nb = _work_item(pid, num_n, num_m, bounds_ptr, stride_b, E, BLOCK_M, BLOCK_E, GROUP_M)
+        if e < E:
+            _down_block(act_ptr, stride_at, spairs_ptr, sweights_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt,
+                        s_ptr, stride_se, stride_sg, part_ptr, stride_pp, H, Hp, I, GROUP, BLOCK_K, BLOCK_M, BLOCK_N,
+                        TILE_N, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES)
+
+
+@triton.jit
+def _down_block(
+    act_ptr, stride_at, spairs_ptr, sweights_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt, s_ptr, stride_se,
+    stride_sg, part_ptr, stride_pp, H, Hp, I,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILE_N: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
+    SCALE_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """The router-weighted rows m0.. (sorted positions of expert e below end) x down_kernel's column block nb."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    in_tile, offs_n = _tile_offsets(nb, stride_wt, BLOCK_N, TILE_N, BLOCK_K // 4, SWAP_AB)
+    acc = down_rows(act_ptr, stride_at, offs_m, m_mask, w_ptr + e.to(tl.int64) * stride_we + in_tile,
+                    s_ptr + e.to(tl.int64) * stride_se + offs_n, offs_n < Hp, stride_sg, I,
+                    GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K,
+                    EVEN_N, NUM_STAGES)
+    pairs = tl.load(spairs_ptr + offs_m, mask=m_mask, other=0)
+    router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)  # [BM]
+    out = part_ptr + pairs[:, None] * stride_pp + offs_n[None, :]
+    tl.store(out, acc * router[:, None], mask=m_mask[:, None] & (offs_n[None, :] < H))
 
 
 @triton.jit

@@ -45,8 +45,9 @@ class TritonConfig:
     them); a program owns block_m sorted positions of one expert x block_n_* output columns, a
     multiple of the tile. swap_ab computes w @ x^T (the dequantized weights as the left operand);
     scale_weights applies the group scales to the 16-bit weights instead of each group's fp32 partial.
-    group_m row blocks take each column block in turn. num_warps_down / num_stages_down default to
-    num_warps / num_stages.
+    group_m row blocks take each column block in turn. expert_grid launches main's decode grid
+    instead: one program per (expert, column block), walking the expert's row blocks (no row-block
+    lookup). num_warps_down / num_stages_down default to num_warps / num_stages.
 
     Decode (<= 16 pairs per expert), H200, Qwen3-30B-A3B shapes, graph time at 1 / 8 tokens per
     expert (bench_kernel --sweep, two runs, 2026-11-29): this default 101-102 / 108-111 us; 4 stages
@@ -71,6 +72,7 @@ class TritonConfig:
     group_m: int = 8
     tile_n_gate_up: int = 64
     tile_n_down: int = 128
+    expert_grid: bool = False
 
     def __post_init__(self) -> None:
         if self.block_k not in BLOCK_KS:
@@ -90,7 +92,11 @@ class TritonConfig:
 
         decode (M <= 16): few large experts (Mixtral, E = 8): 4 stages, 1-2% faster at M = 1-8; at
         M = 16 down tiles of 256 rows with 8 warps, 246 against 265 us. Many small experts (Qwen3,
-        E = 128): this default; swap_ab and group_m were within 1%, 4 stages 2-3% slower.
+        E = 128): this default, and up to M = 8 on main's grid (expert_grid): the row-block grid
+        (commit c827664, routing ranked or counted) took 116 / 154 / 147 / 150 us at M = 1 / 2 / 4 /
+        8 against main's layer's 107 / 110 / 116 / 130 (2026-12-02; at M = 1 gate_up 66.0, down
+        40.1 us), but 139 against 158 at M = 16. Mixtral's decode on the row-block grid was at or
+        below main's (M = 1 226, M = 16 250 us).
         16 < M < 48: rows of 32 (not measured since 2026-11-29). M >= 48: the weights as the left
         operand with the scales on them. Blocks of 128 rows above M = 64 (then both cover an
         expert's rows with the same padding, and 128 is faster: Mixtral 695 against 847 us at M =
@@ -103,7 +109,7 @@ class TritonConfig:
         if per_expert <= 16:
             if few:
                 return cls(num_stages=4) if per_expert <= 8 else cls(block_n_down=256, num_warps_down=8)
-            return cls()
+            return cls(expert_grid=per_expert <= 8)
         if per_expert < 48:
             return cls(block_m=32)
         if per_expert > 64:
@@ -306,7 +312,7 @@ class TritonExperts(PreparedExperts):
         out = torch.empty(x.shape[0], h, dtype=torch.float32, device=x.device)  # [T, H], zeroed by gate_up
         w13 = self.w13
         num_n, num_m = _cdiv(w13.padded_rows, cfg.block_n_gate_up), self._row_blocks(act.shape[0], cfg)
-        programs = num_n * num_m
+        programs = num_n * (e if cfg.expert_grid else num_m)
         zero_chunk = _cdiv(_cdiv(out.numel(), programs), 64) * 64
         self.kernels.gate_up_kernel[(programs,)](
             x, x.stride(0),
@@ -321,7 +327,7 @@ class TritonExperts(PreparedExperts):
             ACTIVATION=self.activation, IS_BF16=x.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, x),
             SWAP_AB=cfg.swap_ab, SCALE_W=cfg.scale_weights, EVEN_K=h % w13.block_k == 0,
             EVEN_N=w13.padded_rows % cfg.block_n_gate_up == 0,
-            NUM_STAGES=cfg.num_stages, ZERO_BLOCK=1024, num_warps=cfg.num_warps,
+            NUM_STAGES=cfg.num_stages, ZERO_BLOCK=1024, EXPERT_GRID=cfg.expert_grid, num_warps=cfg.num_warps,
         )
         return act, out
 
@@ -331,7 +337,7 @@ class TritonExperts(PreparedExperts):
         w2 = self.w2
         part = torch.empty(act.shape[0], h, dtype=torch.float32, device=act.device)  # [P, H]
         num_n, num_m = _cdiv(w2.padded_rows, cfg.block_n_down), self._row_blocks(act.shape[0], cfg)
-        self.kernels.down_kernel[(num_n * num_m,)](
+        self.kernels.down_kernel[(num_n * (e if cfg.expert_grid else num_m),)](
             act, act.stride(0),
             routes.pairs, routes.router, routes.bounds, routes.bounds.stride(0),
             w2.w, w2.w.stride(0), w2.w.stride(1),
@@ -342,7 +348,8 @@ class TritonExperts(PreparedExperts):
             TILE_N=w2.block_n, GROUP_M=cfg.group_m, BLOCK_E=_expert_slots(e),
             IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), SWAP_AB=cfg.swap_ab,
             SCALE_W=cfg.scale_weights, EVEN_K=i % w2.block_k == 0, EVEN_N=w2.padded_rows % cfg.block_n_down == 0,
-            NUM_STAGES=cfg.num_stages_down or cfg.num_stages, num_warps=cfg.num_warps_down or cfg.num_warps,
+            NUM_STAGES=cfg.num_stages_down or cfg.num_stages, EXPERT_GRID=cfg.expert_grid,
+            num_warps=cfg.num_warps_down or cfg.num_warps,
         )
         return part
 

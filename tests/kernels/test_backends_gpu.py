@@ -61,6 +61,10 @@ def test_triton_matches_reference(cuda, moe_problem, rel_error, hidden, inter, g
                      scale_weights=True),
         TritonConfig(block_k=64, block_m=64, block_n_gate_up=128, num_warps=8, swap_ab=True, scale_weights=True),
         TritonConfig(swap_ab=True),
+        # main's decode grid: a program walks its expert's three 16-row blocks, or two 32-row blocks with the
+        # prefill operands
+        TritonConfig(expert_grid=True),
+        TritonConfig(block_m=32, block_n_gate_up=128, num_warps=8, swap_ab=True, scale_weights=True, expert_grid=True),
     ],
 )
 def test_triton_configs_and_gelu(cuda, moe_problem, rel_error, config):
@@ -69,6 +73,20 @@ def test_triton_configs_and_gelu(cuda, moe_problem, rel_error, config):
     for activation in ("silu", "gelu"):
         out = TritonExperts(p.weights, activation, cuda, config)(x, p.pair_rows, p.pair_experts, p.pair_weights)
         assert rel_error(out, _reference(p, x, activation)) < 1e-2
+
+
+@pytest.mark.parametrize("hidden,inter,group", SHAPES)
+@pytest.mark.parametrize("tokens", [1, 17])  # one row block per expert, two
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_expert_grid_matches_reference(cuda, moe_problem, rel_error, hidden, inter, group, tokens, dtype):
+    """Main's decode grid (for_load's for many experts up to 8 pairs each): a program per (expert, column
+    block) walks the expert's row blocks."""
+    assert TritonConfig.for_load(8 * 128, 128).expert_grid
+    p = moe_problem(experts=4, hidden=hidden, inter=inter, group=group, tokens_per_expert=tokens).to(cuda)
+    x = p.hidden.to(dtype)
+    out = TritonExperts(p.weights, "silu", cuda, TritonConfig(expert_grid=True))(
+        x, p.pair_rows, p.pair_experts, p.pair_weights)
+    assert rel_error(out, _reference(p, x)) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("hidden,inter,group", SHAPES)
