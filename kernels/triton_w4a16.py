@@ -413,8 +413,10 @@ def _tile_offsets(nb, stride_wt, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, Q:
                   SWAP_AB: tl.constexpr):
     """Element offsets of output rows nb*BLOCK_N.. in k-block 0 ([BN, Q], or [Q, BN] unswapped) and
     the rows' [BN] indices. A program's BLOCK_N rows span BLOCK_N / TILE_N stored tiles."""
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    tile = (offs_n // TILE_N) * stride_wt + (offs_n % TILE_N) * Q  # [BN]
+    in_block = tl.arange(0, BLOCK_N)
+    offs_n = nb * BLOCK_N + in_block
+    # BLOCK_N is a multiple of TILE_N: tiles and rows within them from the constant range alone
+    tile = (nb * (BLOCK_N // TILE_N) + in_block // TILE_N) * stride_wt + (in_block % TILE_N) * Q  # [BN]
     offs_c = tl.arange(0, Q)
     if SWAP_AB:
         offs = tile[:, None] + offs_c[None, :]
