@@ -22,32 +22,30 @@ import triton.language as tl
 
 from benchmarks.bench_kernel import MODELS, problem, random_weights, time_call, time_graph
 from kernels import triton_w4a16
-from kernels.backends.triton_moe import TritonConfig, TritonExperts, _use_ptx
+from kernels.backends.triton_moe import TritonConfig, TritonExperts, _expert_slots, _use_ptx
 from kernels.oracle import create_backend
 
 
 @triton.jit
 def atomic_down_kernel(
-    act_ptr, stride_at, srows_ptr, sweights_ptr, bounds_ptr, w_ptr, stride_we, stride_wt, s_ptr, stride_se,
-    stride_sg, out_ptr, stride_ot, H, I,
+    act_ptr, stride_at, srows_ptr, sweights_ptr, bounds_ptr, stride_b, w_ptr, stride_we, stride_wt, s_ptr,
+    stride_se, stride_sg, out_ptr, stride_ot, num_n, num_m, E, H, Hp, I,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, IS_BF16: tl.constexpr,
+    USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr, SCALE_W: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """The pre-issue-11 down_kernel: out[row] += router * (act @ w2^T) with float atomics."""
-    e = tl.program_id(0)
-    nb = tl.program_id(1)
-    start = tl.load(bounds_ptr + e)
-    end = tl.load(bounds_ptr + e + 1)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_c = tl.arange(0, BLOCK_K // 4)
-    in_tile = tl.arange(0, BLOCK_N)[None, :] * (BLOCK_K // 4) + offs_c[:, None]
-    w_base = w_ptr + e * stride_we + nb * stride_wt + in_tile
-    s_base = s_ptr + e * stride_se + offs_n
-    for m0 in range(start, end, BLOCK_M):
+    e, m0, end, nb = triton_w4a16._work_item(tl.program_id(0), num_n, num_m, bounds_ptr, stride_b, E,
+                                             BLOCK_M, BLOCK_E, GROUP_M)
+    if e < E:
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_mask = offs_m < end
-        acc = triton_w4a16.down_rows(act_ptr, stride_at, offs_m, m_mask, offs_c, w_base, s_base, stride_sg, I,
-                                     GROUP, BLOCK_K, BLOCK_M, BLOCK_N, IS_BF16, USE_PTX, EVEN_K, NUM_STAGES)
+        in_tile, offs_n = triton_w4a16._tile_offsets(nb, stride_wt, BLOCK_N, TILE_N, BLOCK_K // 4, SWAP_AB)
+        acc = triton_w4a16.down_rows(
+            act_ptr, stride_at, offs_m, m_mask, w_ptr + e.to(tl.int64) * stride_we + in_tile,
+            s_ptr + e.to(tl.int64) * stride_se + offs_n, offs_n < Hp, stride_sg, I,
+            GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES)
         rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
         router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)
         out = out_ptr + rows[:, None] * stride_ot + offs_n[None, :]
@@ -61,15 +59,17 @@ class AtomicTritonExperts(TritonExperts):
         x = hidden.contiguous()
         cfg = self.config or TritonConfig.for_load(pair_rows.numel(), self.num_experts)
         routes = self.route(pair_rows, pair_experts, pair_weights, x.shape[0])
-        act, out = self.gate_up(x, routes.bounds, routes.rows, cfg)
-        w2 = self.w2
-        atomic_down_kernel[(self.num_experts, w2.padded_rows // w2.block_n)](
-            act, act.stride(0), routes.rows, routes.router, routes.bounds,
+        act, out = self.gate_up(x, routes, cfg)
+        w2, e = self.w2, self.num_experts
+        num_n, num_m = -(-w2.padded_rows // cfg.block_n_down), self._row_blocks(act.shape[0], cfg)
+        atomic_down_kernel[(num_n * num_m,)](
+            act, act.stride(0), routes.rows, routes.router, routes.bounds, routes.bounds.stride(0),
             w2.w, w2.w.stride(0), w2.w.stride(1), w2.s, w2.s.stride(0), w2.s.stride(1),
-            out, out.stride(0), self.hidden_size, self.intermediate_size,
-            GROUP=w2.group_size, BLOCK_K=w2.block_k, BLOCK_M=cfg.block_m, BLOCK_N=w2.block_n,
-            IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act),
-            EVEN_K=self.intermediate_size % w2.block_k == 0,
+            out, out.stride(0), num_n, num_m, e, self.hidden_size, w2.padded_rows, self.intermediate_size,
+            GROUP=w2.group_size, BLOCK_K=w2.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
+            TILE_N=w2.block_n, GROUP_M=cfg.group_m, BLOCK_E=_expert_slots(e),
+            IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), SWAP_AB=cfg.swap_ab,
+            SCALE_W=cfg.scale_weights, EVEN_K=self.intermediate_size % w2.block_k == 0, EVEN_N=w2.padded_rows % cfg.block_n_down == 0,
             NUM_STAGES=cfg.num_stages_down or cfg.num_stages, num_warps=cfg.num_warps_down or cfg.num_warps,
         )
         return out

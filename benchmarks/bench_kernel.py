@@ -1,17 +1,23 @@
-"""W4A16 expert kernels on real MoE shapes: time, effective weight bandwidth, and the ceilings.
+"""W4A16 expert kernels on real MoE shapes: time, weight bandwidth, TFLOP/s, and the ceilings.
 
     python -m benchmarks.bench_kernel --out results/bench_kernel.json [--device cuda] [--sweep]
 
-Every expert gets exactly M tokens (M = 1, 2, 4, 8, 16, 64), so every weight is read once per call.
-Effective bandwidth = int4 payload + 16-bit group scales (the W4A16 checkpoint size) / time.
-Ceilings measured in the same run: a device copy (read + write bytes / time) and torch's own int4
-GEMM (`_weight_int4pack_mm`, tinygemm on CUDA; `_weight_int4pack_mm_for_cpu` on CPU) on the same
-weights, once as a single GEMM over all experts (its best case) and once looped over experts.
+Every expert gets exactly M tokens (GPU: M = 1, 2, 4, 8, 16, 64, 128, 256, 1024), so every weight
+is read once per call. Effective bandwidth = int4 payload + 16-bit group scales (the W4A16
+checkpoint size) / time; TFLOP/s = 2 * pairs * 3 * H * I / time. Ceilings measured in the same run:
+a device copy (read + write bytes / time), a dense bf16 torch.matmul at a large square shape
+(FLOP / time), and torch's own int4 GEMM (`_weight_int4pack_mm`, tinygemm on CUDA;
+`_weight_int4pack_mm_for_cpu` on CPU) on the same weights, once as a single GEMM over all experts
+(its best case) and once looped over experts, up to M = 64 (a decode ceiling). The peer on a GPU:
+vLLM 0.32.0's Triton int4 MoE kernel with vLLM's default launch parameters (benchmarks/vllm_peer/),
+checked against the reference on a small shape first (meta) and at M = 1 and 8 (rows).
 On CPU the shapes keep H and I but fewer experts, and fewer token counts and iterations.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import platform
 import time
@@ -54,6 +60,8 @@ class Row:
     weight_bytes: int
     bandwidth_gbps: float
     fraction_of_copy: float
+    tflops: float
+    fraction_of_matmul: float
     graph_time_us: float | None = None
     rel_error_vs_reference: float | None = None
     config: str = ""
@@ -95,6 +103,11 @@ def problem(shape: MoeShape, tokens_per_expert: int, device: torch.device) -> Pr
         flat % shape.experts,
         torch.rand(rows * shape.top_k, generator=gen, device=device),
     )
+
+
+def layer_flop(shape: MoeShape, tokens_per_expert: int) -> int:
+    """Multiply-adds x 2 of gate_up and down over every pair (the routed experts' useful work)."""
+    return 2 * shape.experts * tokens_per_expert * 3 * shape.hidden * shape.inter
 
 
 def checkpoint_bytes(shape: MoeShape) -> int:
@@ -153,14 +166,30 @@ def copy_bandwidth(device: torch.device, iters: int) -> float:
     return 2 * size / seconds
 
 
+def matmul_flops(device: torch.device, iters: int) -> float:
+    """FLOP per second of a dense bf16 torch.matmul at a large square shape (fp32 on CPU)."""
+    n = 8192 if device.type == "cuda" else 1024
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    return 2 * n**3 / time_call(lambda: a @ b, device, iters)
+
+
 # ---- what is measured ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Peaks:
+    """The device's ceilings, measured in the same run."""
+
+    copy_bandwidth: float  # bytes / s, read + write
+    matmul_flops: float  # FLOP / s, dense bf16
 
 
 def run_backend(
     name: str, weights: W4A16ExpertWeights, problems: list[Problem], device: torch.device, iters: int,
-    copy_bw: float, experts: PreparedExperts | None = None, config: str = "",
+    peaks: Peaks, experts: PreparedExperts | None = None, config: str = "",
 ) -> list[Row]:
-    """One prepared backend over every token count."""
+    """One prepared backend (or the vLLM peer) over every token count."""
     shape = problems[0].shape
     if experts is None:
         backend = create_backend(name)
@@ -180,13 +209,28 @@ def run_backend(
             ref = moe_experts_w4a16_reference(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights, weights)
             error = ((call() - ref).abs().max() / ref.abs().max()).item()
         graph = time_graph(call, device, iters)
-        rows.append(_show(_row(shape, name, p.tokens_per_expert, seconds, copy_bw, graph, error, config)))
+        chosen = config or _load_config(experts, p)
+        rows.append(_show(_row(shape, name, p.tokens_per_expert, seconds, peaks, graph, error, chosen)))
     return rows
 
 
-def torch_int4_rows(weights: W4A16ExpertWeights, problems: list[Problem], device: torch.device, iters: int, copy_bw: float) -> list[Row]:
+def _load_config(experts, p: Problem) -> str:
+    """The launch parameters TritonExperts picks for this load (for_load), else ''."""
+    from kernels.backends.triton_moe import TritonConfig, TritonExperts
+
+    if not isinstance(experts, TritonExperts) or experts.config is not None:
+        return ""
+    return _describe(TritonConfig.for_load(p.pair_rows.numel(), experts.num_experts), changed_only=True)
+
+
+TORCH_INT4_MAX_TOKENS = 64  # a decode ceiling: above it the loop over experts only costs run time
+
+
+def torch_int4_rows(weights: W4A16ExpertWeights, problems: list[Problem], device: torch.device, iters: int,
+                    peaks: Peaks) -> list[Row]:
     """torch's int4 GEMM: one GEMM over all experts' weights (best case), and looped per expert."""
     shape = problems[0].shape
+    problems = [p for p in problems if p.tokens_per_expert <= TORCH_INT4_MAX_TOKENS]
     dense13, dense2 = _TorchInt4(weights.w13, device), _TorchInt4(weights.w2, device)
     per_expert13 = [_TorchInt4(_expert(weights.w13, e), device) for e in range(shape.experts)]
     per_expert2 = [_TorchInt4(_expert(weights.w2, e), device) for e in range(shape.experts)]
@@ -212,7 +256,7 @@ def torch_int4_rows(weights: W4A16ExpertWeights, problems: list[Problem], device
 
         for name, fn in (("torch_int4_one_gemm", one_gemm), ("torch_int4_per_expert", per_expert)):
             seconds = time_call(fn, device, iters)
-            rows.append(_show(_row(shape, name, p.tokens_per_expert, seconds, copy_bw, time_graph(fn, device, iters))))
+            rows.append(_show(_row(shape, name, p.tokens_per_expert, seconds, peaks, time_graph(fn, device, iters))))
     return rows
 
 
@@ -241,81 +285,200 @@ def _expert(weights: Int4Weights, e: int) -> Int4Weights:
     return Int4Weights(weights.packed[e : e + 1], weights.scales[e : e + 1], weights.group_size)
 
 
-def _row(shape, backend, m, seconds, copy_bw, graph=None, error=None, config="") -> Row:
+def _row(shape, backend, m, seconds, peaks: Peaks, graph=None, error=None, config="") -> Row:
     best = min(seconds, graph) if graph is not None else seconds
-    bandwidth = checkpoint_bytes(shape) / best
+    bandwidth, flops = checkpoint_bytes(shape) / best, layer_flop(shape, m) / best
     return Row(
         shape.name, shape.experts, backend, m, round(seconds * 1e6, 2), checkpoint_bytes(shape),
-        round(bandwidth / 1e9, 2), round(bandwidth / copy_bw, 4),
+        round(bandwidth / 1e9, 2), round(bandwidth / peaks.copy_bandwidth, 4),
+        round(flops / 1e12, 2), round(flops / peaks.matmul_flops, 4),
         None if graph is None else round(graph * 1e6, 2), error, config,
     )
 
 
 HEADER = (
-    f"{'model':15} {'backend':22} {'M':>3} {'time us':>9} {'graph us':>9} {'GB/s':>7} {'of copy':>7} {'rel err':>8}  config"
+    f"{'model':15} {'backend':22} {'M':>4} {'time us':>9} {'graph us':>9} {'GB/s':>7} {'of copy':>7} "
+    f"{'TFLOP/s':>7} {'of mm':>6} {'rel err':>8}  config"
 )
 
 
 def _show(r: Row) -> Row:
     graph = f"{r.graph_time_us:9.1f}" if r.graph_time_us is not None else f"{'-':>9}"
     err = f"{r.rel_error_vs_reference:8.1e}" if r.rel_error_vs_reference is not None else f"{'-':>8}"
-    print(f"{r.model:15} {r.backend:22} {r.tokens_per_expert:3d} {r.time_us:9.1f} {graph} "
-          f"{r.bandwidth_gbps:7.1f} {r.fraction_of_copy:7.1%} {err}  {r.config}", flush=True)
+    print(f"{r.model:15} {r.backend:22} {r.tokens_per_expert:4d} {r.time_us:9.1f} {graph} "
+          f"{r.bandwidth_gbps:7.1f} {r.fraction_of_copy:7.1%} {r.tflops:7.1f} {r.fraction_of_matmul:6.1%} "
+          f"{err}  {r.config}", flush=True)
     return r
 
 
-def triton_sweep(weights, problems, device, iters, copy_bw) -> list[Row]:
-    """Launch configurations (and weight tilings) of the Triton kernels, each timed on every token count."""
-    from kernels.backends.triton_moe import TritonConfig, TritonExperts
+DECODE_MAX_TOKENS = 16  # the sweep times decode neighbours up to here, prefill ones above
 
-    base = TritonConfig()
+
+def decode_neighbours(cfg) -> list:
+    """cfg and one step from it in each decode direction: swap_ab, 3 <-> 4 stages, down tiles of 128 <-> 256 rows,
+    main's expert grid <-> row blocks."""
+    down = replace(cfg, block_n_down=256, num_warps_down=8) if cfg.block_n_down != 256 else \
+        replace(cfg, block_n_down=128, num_warps_down=None)
+    return [cfg, replace(cfg, swap_ab=not cfg.swap_ab), replace(cfg, num_stages=7 - cfg.num_stages), down,
+            replace(cfg, expert_grid=not cfg.expert_grid)]
+
+
+def prefill_neighbours(cfg) -> list:
+    """cfg and one step from it in each prefill direction: down tiles of 256 rows, 4 stages, 4 <-> 8 warps in
+    down, no grouping of row blocks (group_m 1); below 128-row blocks also 4 <-> 8 warps in both and gate_up
+    tiles twice as wide with 8 warps (at 128 rows, two 128 x 128 fp32 accumulators already fill 8 warps'
+    registers). Tiles narrower than the stored ones (64-row down tiles) would need the weights packed again."""
+    other_warps = 12 - cfg.num_warps  # 4 <-> 8
     configs = [
-        base,
-        replace(base, num_stages=4),
-        replace(base, num_stages=2),
-        replace(base, num_stages_down=4),
-        replace(base, block_n_down=64),
-        replace(base, block_n_down=256, num_warps_down=8),
-        replace(base, block_n_gate_up=32),
-        replace(base, block_n_gate_up=128, num_warps=8, num_warps_down=4),
-        replace(base, num_warps=8),
-        replace(base, block_k=64, num_stages=4),
-        replace(base, ptx_dequant=False),
-        replace(base, block_m=32),
+        cfg,
+        replace(cfg, block_n_down=256),
+        replace(cfg, num_stages=4),
+        replace(cfg, num_warps_down=other_warps),
+        replace(cfg, group_m=1),
     ]
-    rows = []
-    for config in configs:
-        experts = TritonExperts(weights, "silu", device, config)
-        rows += run_backend("triton", weights, problems, device, iters, copy_bw, experts, _describe(config))
-        if config is base:
-            triton_breakdown(experts, problems, device, iters)
-        del experts
-    return rows
+    if cfg.block_m < 128:
+        configs += [replace(cfg, num_warps=other_warps),
+                    replace(cfg, block_n_gate_up=min(256, 2 * cfg.block_n_gate_up), num_warps=8)]
+    return configs
 
 
-def triton_breakdown(experts, problems, device, iters) -> None:
-    """Graph-replay time of each launch alone (route, gate_up, down, combine) next to the whole call."""
+def sweep_configs(num_experts: int, tokens: list[int]) -> dict:
+    """{launch configuration: the tokens per expert it is timed at}: for_load's choice at each M and its
+    neighbours, so the sweep answers whether for_load is a local optimum, per model shape."""
     from kernels.backends.triton_moe import TritonConfig
 
+    configs: dict = {}
+    for m in tokens:
+        chosen = TritonConfig.for_load(m * num_experts, num_experts)
+        for cfg in (decode_neighbours if m <= DECODE_MAX_TOKENS else prefill_neighbours)(chosen):
+            if m not in configs.setdefault(cfg, []):
+                configs[cfg].append(m)
+    return configs
+
+
+def triton_sweep(weights, problems, device, iters, peaks: Peaks) -> tuple[list[Row], list[dict]]:
+    """for_load's configuration and its neighbours at each M, then the breakdown of for_load's choice per M.
+
+    -> (rows, breakdown). Configurations with the same weight tiles share one packed copy of the weights.
+    """
+    from kernels.backends.triton_moe import TritonExperts
+
+    shape = problems[0].shape
+    packed: dict = {}
+    rows = []
+    for config, tokens in sweep_configs(shape.experts, [p.tokens_per_expert for p in problems]).items():
+        subset = [p for p in problems if p.tokens_per_expert in tokens]
+        try:
+            layout = (config.block_k, config.tile_n_gate_up, config.tile_n_down)
+            if layout not in packed:
+                packed[layout] = TritonExperts(weights, "silu", device, config)
+            experts = packed[layout].configured(config)
+            rows += run_backend("triton", weights, subset, device, iters, peaks, experts, _describe(config, True))
+        except Exception as err:  # noqa: BLE001 -- one configuration that does not compile must not end the sweep
+            print(f"  {_describe(config, True)} FAILED: {type(err).__name__}: {str(err)[:500]}", flush=True)
+    return rows, triton_breakdown(TritonExperts(weights, "silu", device), problems, device, iters)
+
+
+def triton_breakdown(experts, problems, device, iters) -> list[dict]:
+    """Graph-replay time (us) of each launch alone (route, gate_up, down, combine) next to the whole call, and
+    of torch's two stable sorts (by expert, by row) that a torch routing would need at least."""
+    from kernels.backends.triton_moe import TritonConfig
+
+    shape = problems[0].shape
+    out = []
     for p in problems:
         cfg = experts.config or TritonConfig.for_load(p.pair_rows.numel(), experts.num_experts)
         routes = experts.route(p.pair_rows, p.pair_experts, p.pair_weights, p.hidden.shape[0])
-        act, out = experts.gate_up(p.hidden, routes.bounds, routes.rows, cfg)
+        act, result = experts.gate_up(p.hidden, routes, cfg)
         part = experts.down(act, routes, cfg)
         parts = {
             "route": lambda p=p: experts.route(p.pair_rows, p.pair_experts, p.pair_weights, p.hidden.shape[0]),
-            "gate_up": lambda: experts.gate_up(p.hidden, routes.bounds, routes.rows, cfg),
+            "torch sorts": lambda p=p: (torch.sort(p.pair_experts, stable=True), torch.sort(p.pair_rows, stable=True)),
+            "gate_up": lambda: experts.gate_up(p.hidden, routes, cfg),
             "down": lambda: experts.down(act, routes, cfg),
-            "combine": lambda: experts.combine(part, routes, out),
+            "combine": lambda: experts.combine(part, routes, result),
             "all": lambda p=p: experts(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights),
         }
         times = {name: time_graph(fn, device, iters) for name, fn in parts.items()}
-        print(f"  breakdown M={p.tokens_per_expert}: " + ", ".join(
-            f"{name} {t * 1e6:.1f} us" for name, t in times.items() if t is not None), flush=True)
+        out.append({"model": shape.name, "tokens_per_expert": p.tokens_per_expert, "config": _describe(cfg, True),
+                    **{f"{name.replace(' ', '_')}_us": None if t is None else round(t * 1e6, 2)
+                       for name, t in times.items()}})
+        print("  " + _breakdown_line(out[-1]), flush=True)
+    return out
 
 
-def _describe(config) -> str:
-    return ",".join(f"{k}={v}" for k, v in asdict(config).items())
+def _breakdown_line(b: dict) -> str:
+    times = ", ".join(f"{k[:-3].replace('_', ' ')} {v:.1f}" for k, v in b.items() if k.endswith("_us") and v is not None)
+    return f"breakdown {b['model']} M={b['tokens_per_expert']} (us): {times}  [{b['config']}]"
+
+
+def best_per_m(rows: list[Row]) -> list[dict]:
+    """The fastest Triton row (graph time) per model and M, over the default run and the sweep."""
+    best = {}
+    for r in rows:
+        if r.backend == "triton":
+            key, t = (r.model, r.tokens_per_expert), r.graph_time_us or r.time_us
+            if key not in best or t < (best[key].graph_time_us or best[key].time_us):
+                best[key] = r
+    return [{"model": r.model, "tokens_per_expert": r.tokens_per_expert, "graph_time_us": r.graph_time_us,
+             "time_us": r.time_us, "fraction_of_copy": r.fraction_of_copy,
+             "fraction_of_matmul": r.fraction_of_matmul, "config": r.config} for _, r in sorted(best.items())]
+
+
+def _best_line(b: dict, default: Row | None) -> str:
+    chosen = "" if default is None else (f"; for_load {default.graph_time_us} us, {default.fraction_of_copy:.1%} "
+                                         f"copy, {default.fraction_of_matmul:.1%} mm")
+    return (f"best {b['model']} M={b['tokens_per_expert']}: {b['graph_time_us']} us graph, "
+            f"{b['fraction_of_copy']:.1%} of copy, {b['fraction_of_matmul']:.1%} of matmul: {b['config']}{chosen}")
+
+
+def vllm_peer_rows(weights, problems, device, iters, peaks: Peaks, sweep_iters: int = 0) -> list[Row]:
+    """vLLM's Triton int4 MoE kernel with vLLM's default launch parameters (and, sweep_iters > 0, tiles of 64-128
+    above M = 16)."""
+    from benchmarks.vllm_peer.layer import VllmTritonMoe
+
+    shape = problems[0].shape
+    peer = VllmTritonMoe(weights, shape.top_k, device)
+    rows = run_backend("vllm_triton", weights, problems, device, iters, peaks, peer)
+    large = [p for p in problems if p.tokens_per_expert > DECODE_MAX_TOKENS]
+    for config in VLLM_SWEEP if sweep_iters and large else []:
+        peer = VllmTritonMoe(weights, shape.top_k, device, config)
+        rows += run_backend("vllm_triton", weights, large, device, sweep_iters, peaks, peer, _describe_dict(config))
+    return rows
+
+
+VLLM_SWEEP = [
+    {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "SPLIT_K": 1,
+     "num_warps": 8, "num_stages": 3},
+    {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "SPLIT_K": 1,
+     "num_warps": 8, "num_stages": 3},
+    {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "SPLIT_K": 1,
+     "num_warps": 4, "num_stages": 3},
+]
+
+
+def vllm_peer_check(device: torch.device) -> float:
+    """Relative error of the peer against our reference on a small shape (E 8, H 256, I 128, top-2, M 4)."""
+    from benchmarks.vllm_peer.layer import VllmTritonMoe
+
+    shape = MoeShape("small", hidden=256, inter=128, experts=8, top_k=2)
+    weights = random_weights(shape, device, seed=1)
+    p = problem(shape, 4, device)
+    out = VllmTritonMoe(weights, shape.top_k, device)(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights)
+    ref = moe_experts_w4a16_reference(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights, weights)
+    return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def _describe(config, changed_only: bool = False) -> str:
+    """key=value of a TritonConfig; changed_only: only where it differs from the default."""
+    from kernels.backends.triton_moe import TritonConfig
+
+    default = asdict(TritonConfig())
+    return ",".join(f"{k}={v}" for k, v in asdict(config).items() if not changed_only or v != default[k]) or "default"
+
+
+def _describe_dict(config: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in config.items())
 
 
 # ---- entry point -----------------------------------------------------------------------------------
@@ -326,35 +489,55 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("results/bench_kernel.json"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", help=f"comma-separated of {', '.join(MODELS)} (default: all; CPU: qwen3-30b-a3b)")
-    parser.add_argument("--tokens", help="tokens per expert, comma-separated (default: 1,2,4,8,16,64; CPU 1,8)")
+    parser.add_argument("--tokens", help="tokens per expert, comma-separated (default: 1,2,4,8,16,64,128,256,1024; "
+                        "CPU 1,8)")
     parser.add_argument("--backends", help="default: triton,hip_fdot2 on a GPU; cpu,reference on CPU")
+    parser.add_argument("--no-peer", action="store_true", help="skip vLLM's Triton kernel (GPU)")
+    parser.add_argument("--no-torch-int4", action="store_true", help="skip torch's int4 GEMM ceilings")
     parser.add_argument("--iters", type=int, help="default: 50 on a GPU, 3 on CPU")
     parser.add_argument("--threads", type=int, help="CPU threads (default 1 on CPU: on a shared 2-core box two "
                         "OpenMP threads measured 30x slower than one)")
-    parser.add_argument("--sweep", action="store_true", help="also time Triton launch configurations and print the "
-                        "graph time of each Triton launch alone (GPU)")
+    parser.add_argument("--sweep", action="store_true", help="also time for_load's Triton configuration and its "
+                        "neighbours at each M (and a few of the vLLM peer's), and the graph time of each Triton launch "
+                        "alone; both, and the best per M, go into the JSON and a closing summary (GPU)")
+    parser.add_argument("--sweep-iters", type=int, default=20, help="iterations per sweep measurement")
+    parser.add_argument("--summarize", type=Path, metavar="JSON", help="only print the closing summary of a results "
+                        "file (e.g. one a timed-out run wrote after its first model)")
     args = parser.parse_args(argv)
+    if args.summarize:
+        saved = json.loads(args.summarize.read_text())
+        _summary([Row(**r) for r in saved["results"]], saved.get("breakdown", []), saved.get("failures", []))
+        return
 
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     if args.threads or not gpu:
         torch.set_num_threads(args.threads or 1)
     iters = args.iters or (50 if gpu else 3)
-    tokens = [int(t) for t in (args.tokens or ("1,2,4,8,16,64" if gpu else "1,8")).split(",")]
+    tokens = [int(t) for t in (args.tokens or ("1,2,4,8,16,64,128,256,1024" if gpu else "1,8")).split(",")]
     backends = (args.backends or ("triton,hip_fdot2" if gpu else "cpu,reference")).split(",")
-    copy_bw = copy_bandwidth(device, iters)
+    peaks = Peaks(copy_bandwidth(device, iters), matmul_flops(device, iters))
     print(f"device {torch.cuda.get_device_name(device) if gpu else platform.processor() or 'cpu'}: "
-          f"copy {copy_bw / 1e9:.0f} GB/s (read + write)")
+          f"copy {peaks.copy_bandwidth / 1e9:.0f} GB/s (read + write), matmul {peaks.matmul_flops / 1e12:.1f} TFLOP/s")
 
     meta = {
         "device": torch.cuda.get_device_name(device) if gpu else "cpu",
         "torch": torch.__version__,
+        "triton": importlib.metadata.version("triton") if importlib.util.find_spec("triton") else None,
         "threads": torch.get_num_threads(),
-        "copy_bandwidth_gbps": round(copy_bw / 1e9, 1),
+        "copy_bandwidth_gbps": round(peaks.copy_bandwidth / 1e9, 1),
+        "matmul_tflops": round(peaks.matmul_flops / 1e12, 1),
         "bandwidth_definition": "int4 payload + 16-bit group scales (group 128) / min(time, graph time)",
+        "flop_definition": "2 * pairs * 3 * H * I / min(time, graph time); matmul: bf16 8192^3 torch.matmul",
         "iters": iters,
     }
+    peer = gpu and not args.no_peer
+    if peer:
+        meta["vllm_peer_rel_error_small_shape"] = vllm_peer_check(device)
+        print(f"vLLM peer against the reference (E 8, H 256, I 128, top-2, M 4): "
+              f"relative error {meta['vllm_peer_rel_error_small_shape']:.1e}")
     rows: list[Row] = []
+    breakdown: list[dict] = []
     failures: list[str] = []
     print(HEADER)
     for name in (args.models or (",".join(MODELS) if gpu else "qwen3-30b-a3b")).split(","):
@@ -363,11 +546,16 @@ def main(argv: list[str] | None = None) -> None:
         problems = [problem(shape, m, device) for m in tokens]
         print(f"{shape.name}: H={shape.hidden} I={shape.inter} E={shape.experts} top-{shape.top_k}, "
               f"{checkpoint_bytes(shape) / 1e6:.0f} MB of W4A16 weights")
-        steps = [(b, lambda b=b: run_backend(b, weights, problems, device, iters if b != "reference" else 1, copy_bw))
+        steps = [(b, lambda b=b: run_backend(b, weights, problems, device, iters if b != "reference" else 1, peaks))
                  for b in backends]
-        steps.append(("torch_int4", lambda: torch_int4_rows(weights, problems, device, iters, copy_bw)))
-        if args.sweep and gpu and name == "qwen3-30b-a3b":
-            steps.append(("triton sweep", lambda: triton_sweep(weights, problems, device, iters, copy_bw)))
+        if peer:
+            steps.append(("vllm_triton", lambda: vllm_peer_rows(
+                weights, problems, device, iters, peaks, args.sweep_iters if args.sweep else 0)))
+        if not args.no_torch_int4:
+            steps.append(("torch_int4", lambda: torch_int4_rows(weights, problems, device, iters, peaks)))
+        if args.sweep and gpu:
+            steps.append(("triton sweep", lambda: _sweep_rows(weights, problems, device, args.sweep_iters, peaks,
+                                                              breakdown)))
         for label, step in steps:
             try:
                 rows += step()
@@ -375,13 +563,37 @@ def main(argv: list[str] | None = None) -> None:
                 failures.append(f"{shape.name} {label}: {type(err).__name__}: {err}")
                 print(f"  {label} FAILED: {type(err).__name__}: {str(err)[:2000]}", flush=True)
         del weights
-        _write(args.out, meta, rows, failures)
+        _write(args.out, meta, rows, breakdown, failures)
+    _summary(rows, breakdown, failures)
     print(f"wrote {args.out}" + (f"; {len(failures)} failures" if failures else ""))
 
 
-def _write(path: Path, meta: dict, rows: list[Row], failures: list[str]) -> None:
+def _sweep_rows(weights, problems, device, iters, peaks: Peaks, breakdown: list[dict]) -> list[Row]:
+    rows, parts = triton_sweep(weights, problems, device, iters, peaks)
+    breakdown += parts
+    return rows
+
+
+def _summary(rows: list[Row], breakdown: list[dict], failures: list[str]) -> None:
+    """The closing lines: per model and M the best Triton time (against for_load's in the default run), then
+    the breakdown of for_load's choice, so a truncated log still ends with the answer."""
+    default: dict = {}
+    for r in rows:  # the default run comes before the sweep
+        if r.backend == "triton":
+            default.setdefault((r.model, r.tokens_per_expert), r)
+    print("summary")
+    for b in best_per_m(rows):
+        print("  " + _best_line(b, default.get((b["model"], b["tokens_per_expert"]))))
+    for b in breakdown:
+        print("  " + _breakdown_line(b))
+    for f in failures:
+        print(f"  failure: {f[:300]}")
+
+
+def _write(path: Path, meta: dict, rows: list[Row], breakdown: list[dict], failures: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in rows], "failures": failures}, indent=1))
+    path.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in rows], "best": best_per_m(rows),
+                                "breakdown": breakdown, "failures": failures}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,22 +1,35 @@
 """Triton kernels of the grouped W4A16 MoE: routing, gate_up + activation, then down + router weight.
 
 Layout (made by kernels.backends.triton_moe from the canonical one), per projection [E, N, K]:
-  w: [E, Np/BN, Kp/BK, BN, BK/4] int16: tiles of BN output rows x BK inputs, each tile one
-     contiguous block (a program's loads stream whole tiles). Np, Kp: N, K rounded up to BN, BK;
-     gate_up holds the gate rows then the up rows, each padded to Ip. Q = BK/4; element (n, c) of
-     tile (nb, b) holds the four nibbles of k = b*BK + i*Q + c, i = 0..3, nibble i in bits 4i..4i+3.
-     Two adjacent elements form one 32-bit register, so one lop3 turns nibble i of both into a
-     bf16x2/f16x2 pair: four registers per word, three shifts, no byte shuffles. Quarter i is its
-     own tl.dot with the matching Q columns of x (16-bit operands on both sides, ldmatrix-friendly).
+  w: [E, Np/TN, Kp/BK, TN, BK/4] int16: tiles of TN output rows x BK inputs, each tile one
+     contiguous block. Np, Kp: N, K rounded up to TN, BK; gate_up holds the gate rows then the up
+     rows, each padded to Ip. Q = BK/4; element (n, c) of tile (nb, b) holds the four nibbles of
+     k = b*BK + i*Q + c, i = 0..3, nibble i in bits 4i..4i+3. Two adjacent elements form one
+     32-bit register, so one lop3 turns nibble i of both into a bf16x2/f16x2 pair: four registers
+     per word, three shifts, no byte shuffles. Decode: quarter i is its own tl.dot with the
+     matching Q columns of x (16-bit operands on both sides). Prefill (SCALE_W): the four scaled
+     quarters join into one [BLOCK_N, BK] operand in k order, one dot per k-block. A program's
+     BLOCK_N rows are BLOCK_N / TN tiles.
   s: [E, Kp/G, Np] float32 signed scales (zero in the padding), N contiguous; the scale multiplies
-     each group's fp32 partial dot, not the weights.
-Routing: route_kernel (one program) groups the pairs by expert: bounds [E+1], and per sorted
-position the row, pair index and router weight, so gate_up reads x rows with one indirection and
-down reads act rows contiguously; it also sorts the pairs by row for the combine. One program
-owns (expert e, BN output columns) and walks that expert's pairs in BLOCK_M chunks. down writes
-each pair's router-weighted row to its own row of a [P, H] fp32 buffer; combine_kernel sums a
-row's pairs in pair order. No float atomics: the output is bitwise the same run to run. gate_up
-also zeroes a slice of `out` (rows without pairs stay zero).
+     each group's fp32 partial dot (decode) or, SCALE_W, the 16-bit weights.
+Routing groups the pairs by expert -- bounds [E+1], and per sorted position the row, pair index
+and router weight -- and by row for the combine, both stable: up to ROUTE_SORT_MAX_PAIRS
+(kernels.backends.triton_moe) one program sorts them with tl.sort (sort_route_kernel, main's
+decode routing); above, a counting sort over many programs, O(P) work: route_count_kernel, a
+cumsum and route_scatter_kernel place the pairs by expert and by the row's low digit at once,
+then digit_count_kernel, a cumsum and digit_scatter_kernel once per further row digit. Positions
+depend only on the inputs; the only atomics count integers.
+The combine finds a row's pairs through rbounds [T+1] (row t: positions [rbounds[t], rbounds[t+1])
+of the (row, pair) order): from the sort program's row counts, from the first pass's counts when
+one pass sorts the rows, else a binary search (row_bounds_kernel).
+GEMMs: each expert's pairs split into BLOCK_M-row blocks; one program owns (row block, BLOCK_N
+output columns), so a dequantized weight tile serves BLOCK_M rows (16-32 for decode, 64-128 for
+prefill), or, EXPERT_GRID (main's decode grid, no row-block lookup), (expert, BLOCK_N columns)
+and walks the expert's row blocks; SWAP_AB computes the transpose, the weights being the MMA's
+left operand. down writes each pair's router-weighted row to its own row of a [P, H] fp32 buffer;
+combine_kernel (one program per row and column block) sums a row's pairs in pair order. No float
+atomics: the output is bitwise the same run to run. gate_up also zeroes a slice of `out` (rows
+without pairs stay zero).
 """
 from __future__ import annotations
 
@@ -83,38 +96,114 @@ def _split_quarters(w, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr):
 
 @triton.jit
 def _load_x(ptrs, row_mask, cols, K, EVEN_K: tl.constexpr):
-    """[BM, Q] activations; rows past the expert's pairs and columns past K read as 0."""
+    """Activations; rows past the block's pairs and columns past K read as 0 (masks broadcast)."""
     if EVEN_K:
-        return tl.load(ptrs, mask=row_mask[:, None], other=0.0)
-    return tl.load(ptrs, mask=row_mask[:, None] & (cols[None, :] < K), other=0.0)
+        return tl.load(ptrs, mask=row_mask, other=0.0)
+    return tl.load(ptrs, mask=row_mask & (cols < K), other=0.0)
 
 
 @triton.jit
-def _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_ptrs, b, stride_sg,
-                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """acc [BM, BN] += sum over quarters i of (x_i @ w_i) * scale of the quarter's group, in fp32.
+def _mm(x, w, SWAP_AB: tl.constexpr):
+    """x @ w, or with SWAP_AB its transpose w @ x (x [Q, BM], w [BN, Q]).
+
+    Swapped, the dequantized weights are the left operand, which Hopper's wgmma takes from registers.
+    """
+    if SWAP_AB:
+        p = tl.dot(w, x)
+    else:
+        p = tl.dot(x, w)
+    return p
+
+
+@triton.jit
+def _mma(x, w, acc, SWAP_AB: tl.constexpr):
+    """acc + _mm(x, w)."""
+    if SWAP_AB:
+        p = tl.dot(w, x, acc)
+    else:
+        p = tl.dot(x, w, acc)
+    return p
+
+
+@triton.jit
+def _per_column(s, SWAP_AB: tl.constexpr):
+    """[BN] scales broadcast over the accumulator's output columns."""
+    if SWAP_AB:
+        cols = s[:, None]
+    else:
+        cols = s[None, :]
+    return cols
+
+
+@triton.jit
+def _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_ptrs, n_ok, b, stride_sg,
+                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc += sum over quarters i of (x_i @ w_i) * scale of the quarter's group, in fp32.
 
     Quarter i of block b covers k in [b*BLOCK_K + i*Q, +Q), Q = BLOCK_K/4 <= GROUP.
     """
     if GROUP >= BLOCK_K:  # the whole block lies in one group
-        s = tl.load(s_ptrs + ((b * BLOCK_K) // GROUP) * stride_sg)
-        p = tl.dot(x3, w3, tl.dot(x2, w2, tl.dot(x1, w1, tl.dot(x0, w0))))
-        acc += p * s[None, :]
+        s = tl.load(s_ptrs + ((b * BLOCK_K) // GROUP) * stride_sg, mask=n_ok, other=0.0)
+        p = _mma(x3, w3, _mma(x2, w2, _mma(x1, w1, _mm(x0, w0, SWAP_AB), SWAP_AB), SWAP_AB), SWAP_AB)
+        acc += p * _per_column(s, SWAP_AB)
     elif GROUP * 2 == BLOCK_K:  # quarters 0-1 and 2-3
-        s0 = tl.load(s_ptrs + (2 * b) * stride_sg)
-        s1 = tl.load(s_ptrs + (2 * b + 1) * stride_sg)
-        acc += tl.dot(x1, w1, tl.dot(x0, w0)) * s0[None, :]
-        acc += tl.dot(x3, w3, tl.dot(x2, w2)) * s1[None, :]
+        s0 = tl.load(s_ptrs + (2 * b) * stride_sg, mask=n_ok, other=0.0)
+        s1 = tl.load(s_ptrs + (2 * b + 1) * stride_sg, mask=n_ok, other=0.0)
+        acc += _mma(x1, w1, _mm(x0, w0, SWAP_AB), SWAP_AB) * _per_column(s0, SWAP_AB)
+        acc += _mma(x3, w3, _mm(x2, w2, SWAP_AB), SWAP_AB) * _per_column(s1, SWAP_AB)
     else:  # GROUP * 4 == BLOCK_K: one group per quarter
-        s0 = tl.load(s_ptrs + (4 * b) * stride_sg)
-        s1 = tl.load(s_ptrs + (4 * b + 1) * stride_sg)
-        s2 = tl.load(s_ptrs + (4 * b + 2) * stride_sg)
-        s3 = tl.load(s_ptrs + (4 * b + 3) * stride_sg)
-        acc += tl.dot(x0, w0) * s0[None, :]
-        acc += tl.dot(x1, w1) * s1[None, :]
-        acc += tl.dot(x2, w2) * s2[None, :]
-        acc += tl.dot(x3, w3) * s3[None, :]
+        s0 = tl.load(s_ptrs + (4 * b) * stride_sg, mask=n_ok, other=0.0)
+        s1 = tl.load(s_ptrs + (4 * b + 1) * stride_sg, mask=n_ok, other=0.0)
+        s2 = tl.load(s_ptrs + (4 * b + 2) * stride_sg, mask=n_ok, other=0.0)
+        s3 = tl.load(s_ptrs + (4 * b + 3) * stride_sg, mask=n_ok, other=0.0)
+        acc += _mm(x0, w0, SWAP_AB) * _per_column(s0, SWAP_AB)
+        acc += _mm(x1, w1, SWAP_AB) * _per_column(s1, SWAP_AB)
+        acc += _mm(x2, w2, SWAP_AB) * _per_column(s2, SWAP_AB)
+        acc += _mm(x3, w3, SWAP_AB) * _per_column(s3, SWAP_AB)
     return acc
+
+
+@triton.jit
+def _weight_scale(s_ptrs, n_ok, group, stride_sg, dtype: tl.constexpr, SWAP_AB: tl.constexpr):
+    """One group's [BN] scales in the weights' dtype, shaped to multiply a weight tile."""
+    s = tl.load(s_ptrs + group * stride_sg, mask=n_ok, other=0.0).to(dtype)
+    if SWAP_AB:
+        tile = s[:, None]
+    else:
+        tile = s[None, :]
+    return tile
+
+
+@triton.jit
+def _scaled_weights(w0, w1, w2, w3, s_ptrs, n_ok, b, stride_sg,
+                    BLOCK_K: tl.constexpr, GROUP: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The four quarters of k-block b times their groups' scales, as one [BN, BLOCK_K] tile in k order
+    ([BLOCK_K, BN] unswapped), for one dot per k-block.
+
+    The scale multiplies the 16-bit weights (one more rounding, as vLLM's kernel does), so the MMAs
+    accumulate straight into acc and stay asynchronous across k-blocks: the prefill form.
+    _scaled_block keeps each group's partial in fp32 instead. The joins and the permute only
+    relabel registers (checked in the sm_90 TTGIR: no layout conversion between dequant and wgmma).
+    """
+    s0 = _weight_scale(s_ptrs, n_ok, (b * BLOCK_K) // GROUP, stride_sg, w0.dtype, SWAP_AB)
+    if GROUP >= BLOCK_K:
+        s1 = s0
+        s2 = s0
+        s3 = s0
+    elif GROUP * 2 == BLOCK_K:
+        s1 = s0
+        s2 = _weight_scale(s_ptrs, n_ok, 2 * b + 1, stride_sg, w0.dtype, SWAP_AB)
+        s3 = s2
+    else:
+        s1 = _weight_scale(s_ptrs, n_ok, 4 * b + 1, stride_sg, w0.dtype, SWAP_AB)
+        s2 = _weight_scale(s_ptrs, n_ok, 4 * b + 2, stride_sg, w0.dtype, SWAP_AB)
+        s3 = _weight_scale(s_ptrs, n_ok, 4 * b + 3, stride_sg, w0.dtype, SWAP_AB)
+    quads = tl.join(tl.join(w0 * s0, w2 * s2), tl.join(w1 * s1, w3 * s3))  # [.., .., i0, j]: quarter 2*i0 + j
+    if SWAP_AB:  # [BN, Q, 2, 2] -> [BN, i0, j, Q] -> [BN, BLOCK_K]
+        tile = tl.reshape(tl.permute(quads, (0, 2, 3, 1)), [w0.shape[0], BLOCK_K])
+    else:  # [Q, BN, 2, 2] -> [i0, j, Q, BN] -> [BLOCK_K, BN]
+        tile = tl.reshape(tl.permute(quads, (2, 3, 0, 1)), [BLOCK_K, w0.shape[1]])
+    return tile
 
 
 @triton.jit
@@ -125,32 +214,39 @@ def _activate(x, ACTIVATION: tl.constexpr):
     return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
 
 
-@triton.jit
-def route_kernel(
-    experts_ptr, rows_ptr, weights_ptr, P,  # [P] local expert, row, router weight of each pair
-    bounds_ptr, srows_ptr, sweights_ptr, spairs_ptr,  # out: [E+1] int32; [P] row, fp32 weight, pair by expert
-    crows_ptr, cpairs_ptr,  # out: [P] int32 row and pair, sorted by (row, pair): the combine's order
-    E, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-):
-    """One program: pairs grouped by expert, and by row, both stable (ties in pair order).
+# ---- routing ----------------------------------------------------------------------------------------
 
-    Both orders are sorts of key * BLOCK_P + pair index, so they depend only on the inputs. bounds
-    is first the per-expert counter (integer atomics: the counts are exact in any order), an
-    exclusive cumsum of the counts gives the starts. Callers keep rows * BLOCK_P below 2^31.
-    """
+
+@triton.jit
+def _store_starts(starts_ptr, keys, valid, N, BLOCK: tl.constexpr):
+    """starts[k] = how many of the keys (each < N) are below k, k = 0..N: counts by integer atomics (exact
+    in any order), then an exclusive cumsum. One program; the barriers order its steps."""
+    offs = tl.arange(0, BLOCK)
+    tl.store(starts_ptr + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=offs <= N)
+    tl.debug_barrier()
+    tl.atomic_add(starts_ptr + keys, 1, mask=valid, sem="relaxed")
+    tl.debug_barrier()
+    counts = tl.load(starts_ptr + offs, mask=offs < N, other=0, volatile=True)
+    tl.debug_barrier()
+    tl.store(starts_ptr + offs, tl.cumsum(counts, 0) - counts, mask=offs <= N)  # starts[N] = all keys
+
+
+@triton.jit
+def sort_route_kernel(
+    experts_ptr, rows_ptr, weights_ptr, P, E, T,  # [P] local expert, row (< T), router weight of each pair
+    bounds_ptr, srows_ptr, sweights_ptr, spairs_ptr,  # out: [E+1] int32; [P] row, fp32 weight, pair by expert
+    crows_ptr, cpairs_ptr, rbounds_ptr,  # out: [P] int32 row and pair sorted by (row, pair); [T+1] int32
+    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Both stable orders in one program, for P <= BLOCK_P (decode): tl.sort of key * BLOCK_P + pair
+    index (main's route_kernel), so the order depends only on the inputs; bounds[e] = pairs of experts
+    below e, rbounds[t] = pairs of rows below t. The caller keeps T * BLOCK_P below 2^31."""
     offs = tl.arange(0, BLOCK_P)
     valid = offs < P
     ex = tl.load(experts_ptr + offs, mask=valid, other=0).to(tl.int32)
     rows = tl.load(rows_ptr + offs, mask=valid, other=0).to(tl.int32)
-    offs_e = tl.arange(0, BLOCK_E)
-    tl.store(bounds_ptr + offs_e, tl.zeros([BLOCK_E], dtype=tl.int32), mask=offs_e <= E)
-    tl.debug_barrier()
-    tl.atomic_add(bounds_ptr + ex, 1, mask=valid, sem="relaxed")  # the barrier orders them
-    tl.debug_barrier()
-    counts = tl.load(bounds_ptr + offs_e, mask=offs_e < E, other=0, volatile=True)
-    starts = tl.cumsum(counts, 0) - counts  # starts[E] = P
-    tl.debug_barrier()
-    tl.store(bounds_ptr + offs_e, starts, mask=offs_e <= E)
+    _store_starts(bounds_ptr, ex, valid, E, BLOCK_E)
+    _store_starts(rbounds_ptr, rows, valid, T, BLOCK_T)
 
     last = 2147483647  # padding lanes sort after every pair
     by_expert = tl.sort(tl.where(valid, ex * BLOCK_P + offs, last))  # [BLOCK_P]
@@ -163,140 +259,415 @@ def route_kernel(
     tl.store(cpairs_ptr + offs, by_row % BLOCK_P, mask=valid)
 
 
+# stable counting sort, digit by digit, over many programs: O(P) work in a fixed number of launches.
+# The first pass sorts by expert and by the row's low digit at once (both start from pair order);
+# rows with more bits take further passes by row alone.
+
+
+@triton.jit
+def _digits(keys_ptr, offs, valid, shift, NUM_DIGITS: tl.constexpr):
+    """[BP] digit (key >> shift) % NUM_DIGITS of the keys at positions offs; padding lanes get NUM_DIGITS."""
+    key = tl.load(keys_ptr + offs, mask=valid, other=0).to(tl.int32)
+    return tl.where(valid, (key >> shift) & (NUM_DIGITS - 1), NUM_DIGITS)
+
+
+@triton.jit
+def _store_counts(keys_ptr, shift, P, counts_ptr, num_blocks, BLOCK_P: tl.constexpr, NUM_DIGITS: tl.constexpr):
+    """Program b's count of each digit among positions [b*BLOCK_P, +BLOCK_P) into counts[1 + d*num_blocks + b]
+    (digit-major, so one exclusive cumsum gives every (digit, block)'s first output position); [0] = 0."""
+    b = tl.program_id(0)
+    offs = b * BLOCK_P + tl.arange(0, BLOCK_P)
+    digit = _digits(keys_ptr, offs, offs < P, shift, NUM_DIGITS)  # [BP]
+    d = tl.arange(0, NUM_DIGITS)
+    counts = tl.sum((digit[:, None] == d[None, :]).to(tl.int32), axis=0)  # [ND]
+    tl.store(counts_ptr + 1 + d * num_blocks + b, counts)
+    tl.store(counts_ptr, 0, mask=b == 0)
+
+
+@triton.jit
+def _destinations(keys_ptr, shift, P, starts_ptr, num_blocks,
+                  BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, NUM_DIGITS: tl.constexpr):
+    """[BP] new positions of program b's positions: the (digit, block) start + how many earlier positions
+    of the block share the digit (compared BLOCK_C at a time, unrolled). Stable, a function of the inputs."""
+    b = tl.program_id(0)
+    offs = b * BLOCK_P + tl.arange(0, BLOCK_P)
+    valid = offs < P
+    digit = _digits(keys_ptr, offs, valid, shift, NUM_DIGITS)  # [BP]
+    rank = tl.zeros([BLOCK_P], dtype=tl.int32)
+    for c0 in tl.static_range(0, BLOCK_P, BLOCK_C):
+        offs_c = b * BLOCK_P + c0 + tl.arange(0, BLOCK_C)
+        digit_c = _digits(keys_ptr, offs_c, offs_c < P, shift, NUM_DIGITS)  # [BC]
+        earlier = (digit_c[None, :] == digit[:, None]) & (offs_c[None, :] < offs[:, None])  # [BP, BC]
+        rank += tl.sum(earlier.to(tl.int32), axis=1)
+    return tl.load(starts_ptr + digit * num_blocks + b, mask=valid, other=0) + rank
+
+
+@triton.jit
+def route_count_kernel(
+    experts_ptr, rows_ptr, P,  # [P] local expert, row of each pair
+    counts_ptr, stride_c, num_blocks,  # out: [2, 1 + NUM_DIGITS * num_blocks] int32: by expert, by row digit
+    BLOCK_P: tl.constexpr, NUM_DIGITS: tl.constexpr,
+):
+    """The first pass's counts: experts (< NUM_DIGITS) and the rows' low digit (row % NUM_DIGITS)."""
+    _store_counts(experts_ptr, 0, P, counts_ptr, num_blocks, BLOCK_P, NUM_DIGITS)
+    _store_counts(rows_ptr, 0, P, counts_ptr + stride_c, num_blocks, BLOCK_P, NUM_DIGITS)
+
+
+@triton.jit
+def route_scatter_kernel(
+    experts_ptr, rows_ptr, weights_ptr, P,  # [P] local expert, row, router weight of each pair
+    starts_ptr, stride_s, num_blocks,  # [2, 1 + NUM_DIGITS * num_blocks] int32: route_count_kernel's, cumsum
+    srows_ptr, sweights_ptr, spairs_ptr,  # out: [P] row, fp32 router weight, pair index by expert
+    crows_ptr, cpairs_ptr,  # out: [P] row and pair index by the rows' low digit (then pair)
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, NUM_DIGITS: tl.constexpr,
+):
+    """The first pass: every pair to its place by expert and by row digit, both stable."""
+    offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    valid = offs < P
+    row = tl.load(rows_ptr + offs, mask=valid, other=0).to(tl.int32)
+    by_expert = _destinations(experts_ptr, 0, P, starts_ptr, num_blocks, BLOCK_P, BLOCK_C, NUM_DIGITS)
+    by_row = _destinations(rows_ptr, 0, P, starts_ptr + stride_s, num_blocks, BLOCK_P, BLOCK_C, NUM_DIGITS)
+    tl.store(spairs_ptr + by_expert, offs, mask=valid)
+    tl.store(srows_ptr + by_expert, row, mask=valid)
+    tl.store(sweights_ptr + by_expert, tl.load(weights_ptr + offs, mask=valid, other=0.0).to(tl.float32), mask=valid)
+    tl.store(cpairs_ptr + by_row, offs, mask=valid)
+    tl.store(crows_ptr + by_row, row, mask=valid)
+
+
+@triton.jit
+def digit_count_kernel(
+    keys_ptr, P, shift,  # [P] int keys, in the current order
+    counts_ptr, num_blocks,  # out: [1 + NUM_DIGITS * num_blocks] int32, [0] = 0, then counts digit-major
+    BLOCK_P: tl.constexpr, NUM_DIGITS: tl.constexpr,
+):
+    """A later pass by row: program b counts each digit among positions [b*BLOCK_P, +BLOCK_P)."""
+    _store_counts(keys_ptr, shift, P, counts_ptr, num_blocks, BLOCK_P, NUM_DIGITS)
+
+
+@triton.jit
+def digit_scatter_kernel(
+    keys_ptr, items_ptr, P, shift,  # [P] row and pair index, in the current order
+    starts_ptr, num_blocks,  # [1 + NUM_DIGITS * num_blocks] int32: cumsum of digit_count_kernel's counts
+    items_out, keys_out,  # [P] out: pair index and row in the new order
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, NUM_DIGITS: tl.constexpr,
+):
+    """A later pass by row: each position to its digit's run, keeping the current order within a digit."""
+    offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    valid = offs < P
+    dest = _destinations(keys_ptr, shift, P, starts_ptr, num_blocks, BLOCK_P, BLOCK_C, NUM_DIGITS)
+    tl.store(items_out + dest, tl.load(items_ptr + offs, mask=valid, other=0), mask=valid)
+    tl.store(keys_out + dest, tl.load(keys_ptr + offs, mask=valid, other=0).to(tl.int32), mask=valid)
+
+
+@triton.jit
+def row_bounds_kernel(
+    crows_ptr, P, T, steps,  # [P] int32 rows in ascending order; steps >= bit_length(P)
+    rbounds_ptr,  # out: [T+1] int32, the first position of each row (P past the last)
+    BLOCK_T: tl.constexpr,
+):
+    """rbounds[t] = first j with crows[j] >= t, by a binary search per t (for rows sorted in several passes,
+    whose last pass's starts are digit starts, not row starts)."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    lo = tl.zeros([BLOCK_T], dtype=tl.int32)
+    hi = tl.zeros([BLOCK_T], dtype=tl.int32) + P
+    for _ in range(steps):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(crows_ptr + mid, mask=active, other=0)
+        lo = tl.where(active & (v < offs_t), mid + 1, lo)
+        hi = tl.where(active & (v >= offs_t), mid, hi)
+    tl.store(rbounds_ptr + offs_t, lo, mask=offs_t <= T)
+
+
+# ---- the grouped GEMMs -------------------------------------------------------------------------------
+
+
+@triton.jit
+def _work_item(pid, num_n, num_m, bounds_ptr, stride_b, E,
+               BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program pid -> (expert, first sorted position, end of the expert's positions, column block).
+
+    Each expert's pairs split into BLOCK_M-row blocks, numbered expert by expert; num_m bounds their
+    count from above (cdiv(P, BLOCK_M) + experts with pairs), the programs past the last block get
+    expert E (no work). GROUP_M row blocks share each column block in turn (L2 reuse of x and w).
+    """
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    j = first_m + (pid % in_group) % size_m
+    nb = (pid % in_group) // size_m
+    offs_e = tl.arange(0, BLOCK_E)
+    lo = tl.load(bounds_ptr + offs_e * stride_b, mask=offs_e < E, other=0)
+    hi = tl.load(bounds_ptr + (offs_e + 1) * stride_b, mask=offs_e < E, other=0)
+    blocks = (hi - lo + BLOCK_M - 1) // BLOCK_M  # [BE] row blocks of each expert
+    done = tl.cumsum(blocks, 0)  # [BE] blocks up to and including each expert
+    e = tl.sum((done <= j).to(tl.int32), 0)
+    before = tl.sum(tl.where(offs_e < e, blocks, 0), 0)
+    start = tl.sum(tl.where(offs_e == e, lo, 0), 0)
+    end = tl.sum(tl.where(offs_e == e, hi, 0), 0)
+    return e, start + (j - before) * BLOCK_M, end, nb
+
+
+@triton.jit
+def _tile_offsets(nb, stride_wt, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr, Q: tl.constexpr,
+                  SWAP_AB: tl.constexpr):
+    """Element offsets of output rows nb*BLOCK_N.. in k-block 0 ([BN, Q], or [Q, BN] unswapped) and
+    the rows' [BN] indices. A program's BLOCK_N rows span BLOCK_N / TILE_N stored tiles."""
+    in_block = tl.arange(0, BLOCK_N)
+    offs_n = nb * BLOCK_N + in_block
+    # BLOCK_N is a multiple of TILE_N: tiles and rows within them from the constant range alone
+    tile = (nb * (BLOCK_N // TILE_N) + in_block // TILE_N) * stride_wt + (in_block % TILE_N) * Q  # [BN]
+    offs_c = tl.arange(0, Q)
+    if SWAP_AB:
+        offs = tile[:, None] + offs_c[None, :]
+    else:
+        offs = tile[None, :] + offs_c[:, None]
+    return offs, offs_n
+
+
+@triton.jit
+def _load_w(ptrs, n_ok, SWAP_AB: tl.constexpr, EVEN_N: tl.constexpr):
+    """A weight tile; rows past the padded N (n_ok false) read as 0 unless every block is full (EVEN_N)."""
+    if EVEN_N:
+        w = tl.load(ptrs)
+    elif SWAP_AB:
+        w = tl.load(ptrs, mask=n_ok[:, None], other=0)
+    else:
+        w = tl.load(ptrs, mask=n_ok[None, :], other=0)
+    return w
+
+
+@triton.jit
+def _x_pointers(x_ptr, rows, stride_xt, m_mask, BLOCK_K: tl.constexpr, WHOLE: tl.constexpr, SWAP_AB: tl.constexpr):
+    """Pointers to the first k-block's columns of the given rows ([BM, C], or [C, BM] swapped), the
+    broadcastable row mask and column offsets for _load_x. C: BLOCK_K (WHOLE), else a quarter."""
+    if WHOLE:
+        offs_c = tl.arange(0, BLOCK_K)
+    else:
+        offs_c = tl.arange(0, BLOCK_K // 4)
+    if SWAP_AB:
+        ptrs, row_mask, cols = x_ptr + rows[None, :] * stride_xt + offs_c[:, None], m_mask[None, :], offs_c[:, None]
+    else:
+        ptrs, row_mask, cols = x_ptr + rows[:, None] * stride_xt + offs_c[None, :], m_mask[:, None], offs_c[None, :]
+    return ptrs, row_mask, cols
+
+
+@triton.jit
+def _x_quarters(x_base, row_mask, cols, b, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The four BLOCK_K/4-column quarters of k-block b."""
+    k0 = b * BLOCK_K
+    k1 = k0 + BLOCK_K // 4
+    k2 = k0 + 2 * (BLOCK_K // 4)
+    k3 = k0 + 3 * (BLOCK_K // 4)
+    x0 = _load_x(x_base + k0, row_mask, cols + k0, K, EVEN_K)
+    x1 = _load_x(x_base + k1, row_mask, cols + k1, K, EVEN_K)
+    x2 = _load_x(x_base + k2, row_mask, cols + k2, K, EVEN_K)
+    x3 = _load_x(x_base + k3, row_mask, cols + k3, K, EVEN_K)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _rows_major(acc, SWAP_AB: tl.constexpr):
+    """The accumulator as [BM, BN]."""
+    if SWAP_AB:
+        rows_major = tl.trans(acc)
+    else:
+        rows_major = acc
+    return rows_major
+
+
 @triton.jit
 def gate_up_kernel(
     x_ptr, stride_xt,  # [T, H] fp16/bf16 hidden rows
-    srows_ptr, bounds_ptr,  # [P] int32 row of each sorted position, [E+1] int32
-    w_ptr, stride_we, stride_wt,  # [E, 2*Ip/BN, Hp/BK, BN, BK/4] int16: expert, row-tile strides
+    srows_ptr, bounds_ptr, stride_b,  # [P] int32 row of each sorted position, [E+1] int32 (strided)
+    w_ptr, stride_we, stride_wt,  # [E, 2*Ip/TN, Hp/BK, TN, BK/4] int16: expert, row-tile strides
     s_ptr, stride_se, stride_sg,  # [E, Hp/G, 2*Ip] fp32
     act_ptr, stride_at,  # [P, I] out: act(gate) * up, at each pair's sorted position
-    zero_ptr, zero_numel, zero_chunk,  # fp32 buffer this kernel zeroes (the down kernel's output)
-    I, Ip, H,
+    zero_ptr, zero_numel, zero_chunk,  # fp32 buffer this kernel zeroes (the combine's output)
+    num_n, num_m, E, I, Ip, H,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACTIVATION: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr,
-    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    ACTIVATION: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
+    SCALE_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr, EXPERT_GRID: tl.constexpr,
 ):
-    e = tl.program_id(0)
-    nb = tl.program_id(1)
-    # this program's slice of the output buffer
-    pid = e * tl.num_programs(1) + nb
-    z_end = tl.minimum(pid * zero_chunk + zero_chunk, zero_numel)
+    """One program: BLOCK_N gate columns and their up columns of BLOCK_M sorted positions of one expert
+    (program = _work_item's), or EXPERT_GRID of each of the expert's row blocks in turn (program =
+    column block * E + expert)."""
+    pid = tl.program_id(0)
+    z_end = tl.minimum(pid * zero_chunk + zero_chunk, zero_numel)  # this program's slice of the output
     for z in range(pid * zero_chunk, z_end, ZERO_BLOCK):
         offs_z = z + tl.arange(0, ZERO_BLOCK)
         tl.store(zero_ptr + offs_z, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=offs_z < z_end)
 
-    start = tl.load(bounds_ptr + e)
-    end = tl.load(bounds_ptr + e + 1)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] gate rows; up rows are + Ip
-    offs_c = tl.arange(0, BLOCK_K // 4)
-    in_tile = tl.arange(0, BLOCK_N)[None, :] * (BLOCK_K // 4) + offs_c[:, None]  # [Q, BN] within a tile
-    w_gate = w_ptr + e * stride_we + nb * stride_wt + in_tile
-    w_up = w_gate + (Ip // BLOCK_N) * stride_wt
-    s_gate = s_ptr + e * stride_se + offs_n  # [BN]
+    if EXPERT_GRID:
+        e = pid % E
+        nb = pid // E
+        end = tl.load(bounds_ptr + (e + 1) * stride_b)
+        for m0 in range(tl.load(bounds_ptr + e * stride_b), end, BLOCK_M):
+            _gate_up_block(x_ptr, stride_xt, srows_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt, s_ptr, stride_se,
+                           stride_sg, act_ptr, stride_at, I, Ip, H, GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N,
+                           ACTIVATION, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES)
+    else:
+        e, m0, end, nb = _work_item(pid, num_n, num_m, bounds_ptr, stride_b, E, BLOCK_M, BLOCK_E, GROUP_M)
+        if e < E:
+            _gate_up_block(x_ptr, stride_xt, srows_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt, s_ptr, stride_se,
+                           stride_sg, act_ptr, stride_at, I, Ip, H, GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N,
+                           ACTIVATION, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES)
+
+
+@triton.jit
+def _gate_up_block(
+    x_ptr, stride_xt, srows_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt, s_ptr, stride_se, stride_sg,
+    act_ptr, stride_at, I, Ip, H,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILE_N: tl.constexpr, ACTIVATION: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr,
+    SWAP_AB: tl.constexpr, SCALE_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """act rows m0.. (sorted positions of expert e below end) x gate_up_kernel's column block nb."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM] sorted positions
+    m_mask = offs_m < end
+    rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
+    x_base, row_mask, cols = _x_pointers(x_ptr, rows, stride_xt, m_mask, BLOCK_K, SCALE_W, SWAP_AB)
+    in_tile, offs_n = _tile_offsets(nb, stride_wt, BLOCK_N, TILE_N, BLOCK_K // 4, SWAP_AB)
+    n_ok = offs_n < Ip
+    w_gate = w_ptr + e.to(tl.int64) * stride_we + in_tile  # gate rows offs_n; up rows are + Ip
+    w_up = w_gate + (Ip // TILE_N) * stride_wt
+    s_gate = s_ptr + e.to(tl.int64) * stride_se + offs_n  # [BN]
     s_up = s_gate + Ip
-    for m0 in range(start, end, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)  # [BM] sorted positions
-        m_mask = offs_m < end
-        rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
-        x_base = x_ptr + rows[:, None] * stride_xt + offs_c[None, :]  # [BM, Q]
+    if SWAP_AB:
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for b in tl.range(0, tl.cdiv(H, BLOCK_K), num_stages=NUM_STAGES):
-            wg = tl.load(w_gate + b * (BLOCK_N * BLOCK_K // 4))
-            wu = tl.load(w_up + b * (BLOCK_N * BLOCK_K // 4))
-            k0 = b * BLOCK_K + offs_c
-            x0 = _load_x(x_base + b * BLOCK_K, m_mask, k0, H, EVEN_K)
-            x1 = _load_x(x_base + b * BLOCK_K + BLOCK_K // 4, m_mask, k0 + BLOCK_K // 4, H, EVEN_K)
-            x2 = _load_x(x_base + b * BLOCK_K + 2 * (BLOCK_K // 4), m_mask, k0 + 2 * (BLOCK_K // 4), H, EVEN_K)
-            x3 = _load_x(x_base + b * BLOCK_K + 3 * (BLOCK_K // 4), m_mask, k0 + 3 * (BLOCK_K // 4), H, EVEN_K)
-            g0, g1, g2, g3 = _split_quarters(wg, IS_BF16, USE_PTX)
-            u0, u1, u2, u3 = _split_quarters(wu, IS_BF16, USE_PTX)
-            acc_gate = _scaled_block(acc_gate, x0, x1, x2, x3, g0, g1, g2, g3, s_gate, b, stride_sg, BLOCK_K, GROUP)
-            acc_up = _scaled_block(acc_up, x0, x1, x2, x3, u0, u1, u2, u3, s_up, b, stride_sg, BLOCK_K, GROUP)
-        y = _activate(acc_gate, ACTIVATION) * acc_up  # [BM, BN] fp32
-        out = act_ptr + offs_m[:, None] * stride_at + offs_n[None, :]
-        tl.store(out, y.to(act_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n[None, :] < I))
+    acc_up = tl.zeros_like(acc_gate)
+    for b in tl.range(0, tl.cdiv(H, BLOCK_K), num_stages=NUM_STAGES):
+        wg = _load_w(w_gate + b * (TILE_N * BLOCK_K // 4), n_ok, SWAP_AB, EVEN_N)
+        wu = _load_w(w_up + b * (TILE_N * BLOCK_K // 4), n_ok, SWAP_AB, EVEN_N)
+        g0, g1, g2, g3 = _split_quarters(wg, IS_BF16, USE_PTX)
+        u0, u1, u2, u3 = _split_quarters(wu, IS_BF16, USE_PTX)
+        if SCALE_W:
+            xk = _load_x(x_base + b * BLOCK_K, row_mask, cols + b * BLOCK_K, H, EVEN_K)
+            wg = _scaled_weights(g0, g1, g2, g3, s_gate, n_ok, b, stride_sg, BLOCK_K, GROUP, SWAP_AB)
+            acc_gate = _mma(xk, wg, acc_gate, SWAP_AB)
+            wu = _scaled_weights(u0, u1, u2, u3, s_up, n_ok, b, stride_sg, BLOCK_K, GROUP, SWAP_AB)
+            acc_up = _mma(xk, wu, acc_up, SWAP_AB)
+        else:
+            x0, x1, x2, x3 = _x_quarters(x_base, row_mask, cols, b, H, BLOCK_K, EVEN_K)
+            acc_gate = _scaled_block(acc_gate, x0, x1, x2, x3, g0, g1, g2, g3, s_gate, n_ok, b, stride_sg,
+                                     BLOCK_K, GROUP, SWAP_AB)
+            acc_up = _scaled_block(acc_up, x0, x1, x2, x3, u0, u1, u2, u3, s_up, n_ok, b, stride_sg,
+                                   BLOCK_K, GROUP, SWAP_AB)
+    y = _rows_major(_activate(acc_gate, ACTIVATION) * acc_up, SWAP_AB)  # [BM, BN] fp32
+    out = act_ptr + offs_m[:, None] * stride_at + offs_n[None, :]
+    tl.store(out, y.to(act_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n[None, :] < I))
 
 
 @triton.jit
 def down_kernel(
     act_ptr, stride_at,  # [P, I] fp16/bf16, sorted positions
-    spairs_ptr, sweights_ptr, bounds_ptr,  # [P] int32 pair index, [P] fp32 router weights (sorted), [E+1]
-    w_ptr, stride_we, stride_wt,  # [E, Hp/BN, Ip/BK, BN, BK/4] int16
+    spairs_ptr, sweights_ptr, bounds_ptr, stride_b,  # [P] int32 pair index, [P] fp32 router weight, [E+1]
+    w_ptr, stride_we, stride_wt,  # [E, Hp/TN, Ip/BK, TN, BK/4] int16
     s_ptr, stride_se, stride_sg,  # [E, Ip/G, Hp] fp32
     part_ptr, stride_pp,  # [P, H] fp32 out: each pair's router-weighted row, at its pair index
-    H, I,
+    num_n, num_m, E, H, Hp, I,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr, SCALE_W: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr, EXPERT_GRID: tl.constexpr,
 ):
-    e = tl.program_id(0)
-    nb = tl.program_id(1)
-    start = tl.load(bounds_ptr + e)
-    end = tl.load(bounds_ptr + e + 1)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    offs_c = tl.arange(0, BLOCK_K // 4)
-    in_tile = tl.arange(0, BLOCK_N)[None, :] * (BLOCK_K // 4) + offs_c[:, None]  # [Q, BN]
-    w_base = w_ptr + e * stride_we + nb * stride_wt + in_tile
-    s_base = s_ptr + e * stride_se + offs_n
-    for m0 in range(start, end, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < end
-        acc = down_rows(act_ptr, stride_at, offs_m, m_mask, offs_c, w_base, s_base, stride_sg, I,
-                        GROUP, BLOCK_K, BLOCK_M, BLOCK_N, IS_BF16, USE_PTX, EVEN_K, NUM_STAGES)
-        pairs = tl.load(spairs_ptr + offs_m, mask=m_mask, other=0)
-        router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)  # [BM]
-        out = part_ptr + pairs[:, None] * stride_pp + offs_n[None, :]
-        tl.store(out, acc * router[:, None], mask=m_mask[:, None] & (offs_n[None, :] < H))
+    """One program: BLOCK_M sorted positions of one expert x BLOCK_N output columns (program = _work_item's),
+    or EXPERT_GRID each of the expert's row blocks in turn (program = column block * E + expert)."""
+    pid = tl.program_id(0)
+    if EXPERT_GRID:
+        e = pid % E
+        nb = pid // E
+        end = tl.load(bounds_ptr + (e + 1) * stride_b)
+        for m0 in range(tl.load(bounds_ptr + e * stride_b), end, BLOCK_M):
+            _down_block(act_ptr, stride_at, spairs_ptr, sweights_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt,
+                        s_ptr, stride_se, stride_sg, part_ptr, stride_pp, H, Hp, I, GROUP, BLOCK_K, BLOCK_M, BLOCK_N,
+                        TILE_N, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES)
+    else:
+        e, m0, end, nb = _work_item(pid, num_n, num_m, bounds_ptr, stride_b, E, BLOCK_M, BLOCK_E, GROUP_M)
+        if e < E:
+            _down_block(act_ptr, stride_at, spairs_ptr, sweights_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt,
+                        s_ptr, stride_se, stride_sg, part_ptr, stride_pp, H, Hp, I, GROUP, BLOCK_K, BLOCK_M, BLOCK_N,
+                        TILE_N, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES)
+
+
+@triton.jit
+def _down_block(
+    act_ptr, stride_at, spairs_ptr, sweights_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt, s_ptr, stride_se,
+    stride_sg, part_ptr, stride_pp, H, Hp, I,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILE_N: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
+    SCALE_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """The router-weighted rows m0.. (sorted positions of expert e below end) x down_kernel's column block nb."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    in_tile, offs_n = _tile_offsets(nb, stride_wt, BLOCK_N, TILE_N, BLOCK_K // 4, SWAP_AB)
+    acc = down_rows(act_ptr, stride_at, offs_m, m_mask, w_ptr + e.to(tl.int64) * stride_we + in_tile,
+                    s_ptr + e.to(tl.int64) * stride_se + offs_n, offs_n < Hp, stride_sg, I,
+                    GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K,
+                    EVEN_N, NUM_STAGES)
+    pairs = tl.load(spairs_ptr + offs_m, mask=m_mask, other=0)
+    router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)  # [BM]
+    out = part_ptr + pairs[:, None] * stride_pp + offs_n[None, :]
+    tl.store(out, acc * router[:, None], mask=m_mask[:, None] & (offs_n[None, :] < H))
 
 
 @triton.jit
 def down_rows(
-    act_ptr, stride_at, offs_m, m_mask, offs_c, w_base, s_base, stride_sg, I,
+    act_ptr, stride_at, offs_m, m_mask, w_base, s_base, n_ok, stride_sg, I,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    TILE_N: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
+    SCALE_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """[BM, BN] fp32: act rows offs_m (sorted positions) @ one expert's BN-row weight tile."""
-    a_base = act_ptr + offs_m[:, None] * stride_at + offs_c[None, :]  # [BM, Q]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    """[BM, BN] fp32: act rows offs_m (sorted positions) @ one expert's BN weight rows (w_base: _tile_offsets;
+    n_ok: rows below the padded N)."""
+    a_base, row_mask, cols = _x_pointers(act_ptr, offs_m, stride_at, m_mask, BLOCK_K, SCALE_W, SWAP_AB)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for b in tl.range(0, tl.cdiv(I, BLOCK_K), num_stages=NUM_STAGES):
-        w = tl.load(w_base + b * (BLOCK_N * BLOCK_K // 4))
-        k0 = b * BLOCK_K + offs_c
-        x0 = _load_x(a_base + b * BLOCK_K, m_mask, k0, I, EVEN_K)
-        x1 = _load_x(a_base + b * BLOCK_K + BLOCK_K // 4, m_mask, k0 + BLOCK_K // 4, I, EVEN_K)
-        x2 = _load_x(a_base + b * BLOCK_K + 2 * (BLOCK_K // 4), m_mask, k0 + 2 * (BLOCK_K // 4), I, EVEN_K)
-        x3 = _load_x(a_base + b * BLOCK_K + 3 * (BLOCK_K // 4), m_mask, k0 + 3 * (BLOCK_K // 4), I, EVEN_K)
+        w = _load_w(w_base + b * (TILE_N * BLOCK_K // 4), n_ok, SWAP_AB, EVEN_N)
         w0, w1, w2, w3 = _split_quarters(w, IS_BF16, USE_PTX)
-        acc = _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_base, b, stride_sg, BLOCK_K, GROUP)
-    return acc
+        if SCALE_W:
+            xk = _load_x(a_base + b * BLOCK_K, row_mask, cols + b * BLOCK_K, I, EVEN_K)
+            acc = _mma(xk, _scaled_weights(w0, w1, w2, w3, s_base, n_ok, b, stride_sg, BLOCK_K, GROUP, SWAP_AB), acc,
+                       SWAP_AB)
+        else:
+            x0, x1, x2, x3 = _x_quarters(a_base, row_mask, cols, b, I, BLOCK_K, EVEN_K)
+            acc = _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_base, n_ok, b, stride_sg, BLOCK_K, GROUP,
+                                SWAP_AB)
+    return _rows_major(acc, SWAP_AB)
 
 
 @triton.jit
 def combine_kernel(
     part_ptr, stride_pp,  # [P, H] fp32 router-weighted pair rows (down_kernel)
-    crows_ptr, cpairs_ptr, P,  # [P] int32 row and pair index, sorted by (row, pair)
+    cpairs_ptr, rbounds_ptr, stride_rb,  # [P] int32 pair index sorted by (row, pair); [T+1] int32 (strided)
     out_ptr, stride_ot,  # [T, H] fp32; rows without pairs keep the zeros gate_up wrote
     H, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """out[row] = its pairs' rows summed in pair order, BLOCK_R at a time: a fixed order, no atomics.
+    """out[t] = row t's pairs' rows summed in pair order, BLOCK_R at a time: a fixed order, no atomics.
 
-    Program (j, nb) works only if sorted position j starts its row's run; the run is contiguous.
+    Program (t, nb): row t's pairs are positions [rbounds[t], rbounds[t+1]) of cpairs. One program per
+    row, not per position: no programs that only find they start no run.
     """
-    j = tl.program_id(0)
+    t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = offs_n < H
-    row = tl.load(crows_ptr + j)
-    prev = tl.where(j > 0, tl.load(crows_ptr + tl.maximum(j - 1, 0)), -1)  # rows are >= 0
-    first = prev != row  # only the program at the start of a row's run writes the row
+    lo = tl.load(rbounds_ptr + t * stride_rb)
+    hi = tl.load(rbounds_ptr + (t + 1) * stride_rb)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    k = j
-    more = first
-    while more:
+    for k in range(lo, hi, BLOCK_R):
         offs_k = k + tl.arange(0, BLOCK_R)  # [BR]
-        mine = tl.load(crows_ptr + offs_k, mask=offs_k < P, other=-1) == row
-        pairs = tl.load(cpairs_ptr + offs_k, mask=mine, other=0)
+        mine = offs_k < hi
+        pairs = tl.load(cpairs_ptr + offs_k, mask=mine, other=0).to(tl.int64)
         part = tl.load(part_ptr + pairs[:, None] * stride_pp + offs_n[None, :], mask=mine[:, None] & n_mask[None, :],
                        other=0.0)  # [BR, BN]
         acc += tl.sum(part, axis=0)
-        k += BLOCK_R
-        more = tl.sum(mine.to(tl.int32), axis=0) == BLOCK_R  # a full window: the run may go on
-    tl.store(out_ptr + row * stride_ot + offs_n, acc, mask=tl.where(first, n_mask, False))
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, acc, mask=tl.where(hi > lo, n_mask, False))

@@ -1,15 +1,18 @@
-"""Triton backend: grouped W4A16 MoE on CUDA and ROCm (gfx11) GPUs, four launches per layer.
+"""Triton backend: grouped W4A16 MoE on CUDA and ROCm (gfx11) GPUs, routing, then three launches per layer.
 
-    route_kernel:   pairs grouped by expert and by row -> Routes  (one program; torch.sort above
-                    ROUTE_MAX_PAIRS)
+    routing:        pairs grouped by expert and by row -> Routes  (sort_route_kernel, one
+                    program, for few pairs; else counting sorts: route_count_kernel, cumsum,
+                    route_scatter_kernel, and for rows of more than 8 bits digit_count_kernel,
+                    cumsum, digit_scatter_kernel per further digit)
     gate_up_kernel: x[rows] @ w13[e]^T -> act(gate) * up          [P, I]  (fp16/bf16); zeroes out
     down_kernel:    act @ w2[e]^T * router weight -> pair rows     [P, H]  (fp32)
-    combine_kernel: each row's pair rows summed in pair order       [T, H]  (fp32)
+    combine_kernel: each row's pair rows summed in pair order       [T, H]  (fp32), one program per row
 No float atomics anywhere: the output is bitwise identical run to run.
 Kernels and weight layout: kernels/triton_w4a16.py.
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 from dataclasses import dataclass
 
@@ -20,22 +23,39 @@ from kernels.backends.base import ExpertBackend, PreparedExperts, Support, symme
 from kernels.quant import Int4Weights, QuantScheme, W4A16ExpertWeights, unpack_int4
 
 GROUP_SIZES = (32, 64, 128, 256)
+BLOCK_KS = (64, 128)
+COMBINE_BLOCK_R, COMBINE_BLOCK_N = 8, 256  # pairs a combine program adds per step (top-8: one), columns it owns
+ROW_BOUNDS_BLOCK = 1024  # rows a row_bounds_kernel program searches for
+RADIX_BITS = 8  # at most 2^8 digits per routing pass over rows
+FEW_EXPERTS = 16  # for_load: up to here a layer's experts are few and large (Mixtral), above many and small (Qwen3)
+# Up to here one program sorts all pairs (tl.sort, main's decode routing); above, counting passes. H200, Qwen3
+# (128 experts), 2026-12-02: the counting passes took 24.3 / 25.0 us at 512 / 1024 pairs, a one-program
+# ranking 8.8 / 20.8 us at 128 / 256, while main's whole layer with this sort took 107-130 us at 128-1024
+# pairs (the branch's 116-154); at 2048 pairs the counting passes took 16.8 us and main's layer 158 against 139.
+ROUTE_SORT_MAX_PAIRS = 1024
+ROUTE_SORT_MAX_ROWS = 1024  # ... if the rows are this few too (T * the sort's block stays below 2^31)
+ROUTE_COMPARE_BLOCK = 32  # pairs a counting program compares its own with per step
 
 
 @dataclass(frozen=True, slots=True)
 class TritonConfig:
-    """Launch parameters; `for_load` picks them from the average pairs per expert.
+    """Launch parameters; `for_load` picks them from the average pairs per expert and the expert count.
 
-    block_k, block_n_gate_up and block_n_down are also the weight tiles: TritonExperts packs for
-    them. num_warps_down / num_stages_down default to num_warps / num_stages.
+    tile_n_gate_up, tile_n_down and block_k are the stored weight tiles (TritonExperts packs for
+    them); a program owns block_m sorted positions of one expert x block_n_* output columns, a
+    multiple of the tile. swap_ab computes w @ x^T (the dequantized weights as the left operand);
+    scale_weights applies the group scales to the 16-bit weights instead of each group's fp32 partial.
+    group_m row blocks take each column block in turn. expert_grid launches main's decode grid
+    instead: one program per (expert, column block), walking the expert's row blocks (no row-block
+    lookup). num_warps_down / num_stages_down default to num_warps / num_stages.
 
-    H200, Qwen3-30B-A3B shapes, graph time at 1 / 8 tokens per expert (bench_kernel --sweep, two
-    runs): this default 101-102 / 108-111 us; 4 stages 105 / 113, 5 stages 109 / 118, 2 stages
-    119 / 128; down tiles of 64 rows 111 / 120, of 256 rows with 8 warps 107 / 114; gate_up tiles
-    of 32 rows 118 / 127, of 128 rows with 8 warps 108 / 116; 8 warps 128 / 135; block_k 64
-    124 / 132; Triton instead of PTX dequant 147 / 152; block_m 32 140 / 145 but 320 against
-    435 us at 64 tokens per expert (hence for_load). Programs streaming 2 to 8 row tiles back to
-    back in one flattened loop measured 104-120 / 108-125 us, so one tile per program stays.
+    Decode (<= 16 pairs per expert), H200, Qwen3-30B-A3B shapes, graph time at 1 / 8 tokens per
+    expert (bench_kernel --sweep, two runs, 2026-11-29): this default 101-102 / 108-111 us; 4 stages
+    105 / 113, 5 stages 109 / 118, 2 stages 119 / 128; down tiles of 64 rows 111 / 120, of 256 rows
+    with 8 warps 107 / 114; gate_up tiles of 32 rows 118 / 127, of 128 rows with 8 warps 108 / 116;
+    8 warps 128 / 135; block_k 64 124 / 132; Triton instead of PTX dequant 147 / 152; block_m 32
+    140 / 145 but 320 against 435 us at 64 tokens per expert (hence rows of 32 above 16). Programs
+    streaming 2 to 8 row tiles back to back in one flattened loop measured 104-120 / 108-125 us.
     """
 
     block_m: int = 16
@@ -47,11 +67,56 @@ class TritonConfig:
     block_k: int = 128
     num_warps_down: int | None = None
     num_stages_down: int | None = None
+    swap_ab: bool = False
+    scale_weights: bool = False
+    group_m: int = 8
+    tile_n_gate_up: int = 64
+    tile_n_down: int = 128
+    expert_grid: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_k not in BLOCK_KS:
+            raise ValueError(f"block_k must be one of {BLOCK_KS}, not {self.block_k}")
+        if self.block_m < 16 or self.block_m & (self.block_m - 1):
+            raise ValueError(f"block_m must be a power of two >= 16, not {self.block_m}")
+        for block, tile in ((self.block_n_gate_up, self.tile_n_gate_up), (self.block_n_down, self.tile_n_down)):
+            if tile < 16 or tile & (tile - 1) or block % tile or block & (block - 1):
+                raise ValueError(f"block_n {block} must be a power-of-two multiple of its tile {tile} (>= 16)")
+        if self.group_m < 1:
+            raise ValueError(f"group_m must be >= 1, not {self.group_m}")
 
     @classmethod
     def for_load(cls, num_pairs: int, num_experts: int) -> TritonConfig:
+        """The fastest configuration bench_kernel --sweep measured for the load (H200, Triton 3.6,
+        2026-12-02, commit 4344a33, graph time per tokens-per-expert M):
+
+        decode (M <= 16): few large experts (Mixtral, E = 8): 4 stages, 1-2% faster at M = 1-8; at
+        M = 16 down tiles of 256 rows with 8 warps, 246 against 265 us. Many small experts (Qwen3,
+        E = 128): this default, and up to M = 8 on main's grid (expert_grid): the row-block grid
+        (commit c827664, routing ranked or counted) took 116 / 154 / 147 / 150 us at M = 1 / 2 / 4 /
+        8 against main's layer's 107 / 110 / 116 / 130 (2026-12-02; at M = 1 gate_up 66.0, down
+        40.1 us), but 139 against 158 at M = 16. Mixtral's decode on the row-block grid was at or
+        below main's (M = 1 226, M = 16 250 us).
+        16 < M < 48: rows of 32 (not measured since 2026-11-29). M >= 48: the weights as the left
+        operand with the scales on them. Blocks of 128 rows above M = 64 (then both cover an
+        expert's rows with the same padding, and 128 is faster: Mixtral 695 against 847 us at M =
+        128, Qwen3 517 against 540; 1452/1729 and 954/1009 at 256); 64 rows up to 64 (128 rows:
+        700 against 433 us, 667 against 521). At 64 rows, few large experts take gate_up tiles of
+        128 columns with 8 warps (433 against 518 us), many small ones 64 with 4 (521 against 531).
+        """
         per_expert = -(-num_pairs // num_experts)
-        return cls() if per_expert <= 16 else cls(block_m=32)
+        few = num_experts <= FEW_EXPERTS
+        if per_expert <= 16:
+            if few:
+                return cls(num_stages=4) if per_expert <= 8 else cls(block_n_down=256, num_warps_down=8)
+            return cls(expert_grid=per_expert <= 8)
+        if per_expert < 48:
+            return cls(block_m=32)
+        if per_expert > 64:
+            return cls(block_m=128, block_n_gate_up=128, num_warps=8, swap_ab=True, scale_weights=True)
+        if few:
+            return cls(block_m=64, block_n_gate_up=128, num_warps=8, swap_ab=True, scale_weights=True)
+        return cls(block_m=64, swap_ab=True, scale_weights=True)
 
 
 class TritonBackend(ExpertBackend):
@@ -73,26 +138,23 @@ class TritonBackend(ExpertBackend):
         return TritonExperts(weights, activation, device)
 
 
-ROUTE_MAX_PAIRS = 8192  # more pairs: torch sort instead of the one-program route kernel
-BLOCK_KS = (64, 128)
-COMBINE_BLOCK_R, COMBINE_BLOCK_N = 16, 256  # pairs a combine program adds per step, columns it owns
-
-
 @dataclass(frozen=True, slots=True)
 class Routes:
     """The pairs in two stable orders (ties keep pair order), both on the device.
 
     By expert (position s): expert e owns s in [bounds[e], bounds[e+1]); rows, router and pairs
     give each position's row, fp32 router weight and pair index. By row (position j): crows and
-    cpairs, sorted by (row, pair index), the order combine_kernel adds a row's pairs in.
+    cpairs, sorted by (row, pair index), the order combine_kernel adds a row's pairs in; row t owns
+    j in [row_bounds[t], row_bounds[t+1]).
     """
 
-    bounds: torch.Tensor  # [E+1] int32
+    bounds: torch.Tensor  # [E+1] int32, a strided view (kernels take its stride)
     rows: torch.Tensor  # [P] int32
     router: torch.Tensor  # [P] fp32
     pairs: torch.Tensor  # [P] int32
     crows: torch.Tensor  # [P] int32
     cpairs: torch.Tensor  # [P] int32
+    row_bounds: torch.Tensor  # [T+1] int32, a strided view
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,36 +208,85 @@ class TritonExperts(PreparedExperts):
         self.num_experts = weights.num_experts
         self.hidden_size = weights.hidden_size
         self.intermediate_size = weights.intermediate_size
-        layout = config or TritonConfig()
-        self.w13 = TritonProjection.from_int4(weights.w13, device, layout.block_k, layout.block_n_gate_up, parts=2)
-        self.w2 = TritonProjection.from_int4(weights.w2, device, layout.block_k, layout.block_n_down)
+        layout = config or TritonConfig()  # for_load's configurations use the default tiles
+        self.w13 = TritonProjection.from_int4(weights.w13, device, layout.block_k, layout.tile_n_gate_up, parts=2)
+        self.w2 = TritonProjection.from_int4(weights.w2, device, layout.block_k, layout.tile_n_down)
         self.config = config
 
+    def configured(self, config: TritonConfig) -> TritonExperts:
+        """The same packed weights launched with `config` (which must share their tiles), e.g. for a sweep."""
+        layout = self.config or TritonConfig()
+        assert (config.block_k, config.tile_n_gate_up, config.tile_n_down) == (
+            layout.block_k, layout.tile_n_gate_up, layout.tile_n_down), "config needs other weight tiles"
+        other = copy.copy(self)
+        other.config = config
+        return other
+
     def route(self, pair_rows, pair_experts, pair_weights, num_rows: int) -> Routes:
-        """Pairs grouped by expert and by row (rows in [0, num_rows))."""
+        """Pairs grouped by expert and by row (rows in [0, num_rows)), both stable.
+
+        Up to ROUTE_SORT_MAX_PAIRS pairs and ROUTE_SORT_MAX_ROWS rows: one program sorts them
+        (sort_route_kernel). Else stable counting sorts, O(P) work in count / cumsum / scatter
+        launches: the first pass by expert and by the row's low digit at once, then LSD passes of up
+        to RADIX_BITS bits for the rest of the row, and a binary search for the row bounds.
+        """
         e, p, dev = self.num_experts, pair_rows.numel(), pair_rows.device
-        block_p = max(16, _next_pow2(p))
-        if p > ROUTE_MAX_PAIRS or num_rows * block_p >= 2**31:  # the route kernel's keys are int32
-            by_expert = torch.sort(pair_experts, stable=True)
-            experts = torch.arange(e + 1, device=dev, dtype=by_expert.values.dtype)
-            bounds = torch.searchsorted(by_expert.values, experts).to(torch.int32)
-            by_row = torch.sort(pair_rows, stable=True)
-            order = by_expert.indices
-            return Routes(
-                bounds, pair_rows[order].to(torch.int32), pair_weights[order].to(torch.float32),
-                order.to(torch.int32), by_row.values.to(torch.int32), by_row.indices.to(torch.int32),
+        pairs, rows, crows, cpairs = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(4))
+        router = torch.empty(p, dtype=torch.float32, device=dev)
+        if p <= ROUTE_SORT_MAX_PAIRS and num_rows <= ROUTE_SORT_MAX_ROWS:
+            bounds = torch.empty(e + 1, dtype=torch.int32, device=dev)
+            row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=dev)
+            self.kernels.sort_route_kernel[(1,)](
+                pair_experts, pair_rows, pair_weights, p, e, num_rows, bounds, rows, router, pairs, crows, cpairs,
+                row_bounds, BLOCK_P=max(16, _next_pow2(p)), BLOCK_E=_next_pow2(e + 1),
+                BLOCK_T=_next_pow2(num_rows + 1), num_warps=4,
             )
-        out = Routes(
-            torch.empty(e + 1, dtype=torch.int32, device=dev),
-            *(torch.empty(p, dtype=dtype, device=dev) for dtype in (torch.int32, torch.float32, torch.int32,
-                                                                    torch.int32, torch.int32)),
+            return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds)
+        row_bits = max(1, (num_rows - 1).bit_length())
+        digits = max(2, _next_pow2(e), 1 << min(row_bits, RADIX_BITS))
+        block_p, blocks = self._blocks(p, digits)
+        counts = torch.empty(2, 1 + digits * blocks, dtype=torch.int32, device=dev)
+        self.kernels.route_count_kernel[(blocks,)](
+            pair_experts, pair_rows, p, counts, counts.stride(0), blocks, BLOCK_P=block_p, NUM_DIGITS=digits,
         )
-        self.kernels.route_kernel[(1,)](
-            pair_experts, pair_rows, pair_weights, p, out.bounds, out.rows, out.router, out.pairs,
-            out.crows, out.cpairs, e,
-            BLOCK_P=block_p, BLOCK_E=_next_pow2(e + 1), num_warps=min(16, max(4, block_p // 256)),
+        starts = torch.cumsum(counts, 1, dtype=torch.int32)  # integers: the same sum in any order
+        self.kernels.route_scatter_kernel[(blocks,)](
+            pair_experts, pair_rows, pair_weights, p, starts, starts.stride(0), blocks,
+            rows, router, pairs, crows, cpairs, BLOCK_P=block_p, BLOCK_C=ROUTE_COMPARE_BLOCK, NUM_DIGITS=digits,
         )
-        return out
+        bounds = starts[0, ::blocks][: e + 1]  # [E+1] int32, strided: expert d's run starts at block 0's start
+        done = digits.bit_length() - 1  # row bits the first pass sorted by
+        passes = _cdiv(max(0, row_bits - done), RADIX_BITS)
+        width = _cdiv(row_bits - done, passes) if passes else 0
+        if not passes:  # the first pass sorted whole rows: its row-digit starts are the row starts
+            return Routes(bounds, rows, router, pairs, crows, cpairs, starts[1, ::blocks][: num_rows + 1])
+        for i in range(passes):
+            crows, cpairs = self._row_pass(crows, cpairs, done + i * width, 1 << width)
+        row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=dev)
+        self.kernels.row_bounds_kernel[(_cdiv(num_rows + 1, ROW_BOUNDS_BLOCK),)](
+            crows, p, num_rows, p.bit_length(), row_bounds, BLOCK_T=ROW_BOUNDS_BLOCK, num_warps=4,
+        )
+        return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds)
+
+    @staticmethod
+    def _blocks(p: int, digits: int) -> tuple[int, int]:
+        """(pairs per counting program, programs): a [block, digits] comparison stays <= 32K elements."""
+        block_p = min(256, max(16, 32768 // digits))
+        return block_p, _cdiv(p, block_p)
+
+    def _row_pass(self, crows, cpairs, shift, digits):
+        """One stable counting pass of (row, pair) order on digit (row >> shift) % digits -> (crows, cpairs)."""
+        p = crows.numel()
+        block_p, blocks = self._blocks(p, digits)
+        counts = torch.empty(1 + digits * blocks, dtype=torch.int32, device=crows.device)
+        self.kernels.digit_count_kernel[(blocks,)](crows, p, shift, counts, blocks, BLOCK_P=block_p, NUM_DIGITS=digits)
+        starts = torch.cumsum(counts, 0, dtype=torch.int32)
+        rows_out, pairs_out = torch.empty_like(crows), torch.empty_like(cpairs)
+        self.kernels.digit_scatter_kernel[(blocks,)](
+            crows, cpairs, p, shift, starts, blocks, pairs_out, rows_out,
+            BLOCK_P=block_p, BLOCK_C=ROUTE_COMPARE_BLOCK, NUM_DIGITS=digits,
+        )
+        return rows_out, pairs_out
 
     def __call__(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
         x = hidden if hidden.dtype in (torch.float16, torch.bfloat16) else hidden.to(torch.bfloat16)
@@ -183,32 +294,40 @@ class TritonExperts(PreparedExperts):
         num_pairs = pair_rows.numel()
         if num_pairs == 0:
             return torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
-        cfg = self.config or TritonConfig.for_load(num_pairs, self.num_experts)  # same tiles as the default
+        cfg = self.config or TritonConfig.for_load(num_pairs, self.num_experts)
         routes = self.route(pair_rows, pair_experts, pair_weights, x.shape[0])
-        act, out = self.gate_up(x, routes.bounds, routes.rows, cfg)
+        act, out = self.gate_up(x, routes, cfg)
         self.combine(self.down(act, routes, cfg), routes, out)
         return out
 
-    def gate_up(self, x, bounds, rows, cfg: TritonConfig):
-        """-> act [P, I] in x's dtype (sorted positions), out [T, H] fp32 zeroed for `down`."""
+    def _row_blocks(self, num_pairs: int, cfg: TritonConfig) -> int:
+        """An upper bound on the BLOCK_M-row blocks of all experts: one partial block per expert, each
+        block holds a pair (grid slots past the real blocks exit at once)."""
+        return min(num_pairs, _cdiv(num_pairs, cfg.block_m) + self.num_experts)
+
+    def gate_up(self, x, routes: Routes, cfg: TritonConfig):
+        """-> act [P, I] in x's dtype (sorted positions), out [T, H] fp32 zeroed for `combine`."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        act = torch.empty(rows.numel(), i, dtype=x.dtype, device=x.device)  # [P, I]
+        act = torch.empty(routes.rows.numel(), i, dtype=x.dtype, device=x.device)  # [P, I]
         out = torch.empty(x.shape[0], h, dtype=torch.float32, device=x.device)  # [T, H], zeroed by gate_up
         w13 = self.w13
-        grid = (e, w13.padded_rows // w13.block_n)
-        zero_chunk = _cdiv(_cdiv(out.numel(), grid[0] * grid[1]), 64) * 64
-        self.kernels.gate_up_kernel[grid](
+        num_n, num_m = _cdiv(w13.padded_rows, cfg.block_n_gate_up), self._row_blocks(act.shape[0], cfg)
+        programs = num_n * (e if cfg.expert_grid else num_m)
+        zero_chunk = _cdiv(_cdiv(out.numel(), programs), 64) * 64
+        self.kernels.gate_up_kernel[(programs,)](
             x, x.stride(0),
-            rows, bounds,
+            routes.rows, routes.bounds, routes.bounds.stride(0),
             w13.w, w13.w.stride(0), w13.w.stride(1),
             w13.s, w13.s.stride(0), w13.s.stride(1),
             act, act.stride(0),
             out, out.numel(), zero_chunk,
-            i, w13.padded_rows, h,
-            GROUP=w13.group_size, BLOCK_K=w13.block_k, BLOCK_M=cfg.block_m, BLOCK_N=w13.block_n,
+            num_n, num_m, e, i, w13.padded_rows, h,
+            GROUP=w13.group_size, BLOCK_K=w13.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up,
+            TILE_N=w13.block_n, GROUP_M=cfg.group_m, BLOCK_E=_expert_slots(e),
             ACTIVATION=self.activation, IS_BF16=x.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, x),
-            EVEN_K=h % w13.block_k == 0, NUM_STAGES=cfg.num_stages, ZERO_BLOCK=1024,
-            num_warps=cfg.num_warps,
+            SWAP_AB=cfg.swap_ab, SCALE_W=cfg.scale_weights, EVEN_K=h % w13.block_k == 0,
+            EVEN_N=w13.padded_rows % cfg.block_n_gate_up == 0,
+            NUM_STAGES=cfg.num_stages, ZERO_BLOCK=1024, EXPERT_GRID=cfg.expert_grid, num_warps=cfg.num_warps,
         )
         return act, out
 
@@ -217,16 +336,19 @@ class TritonExperts(PreparedExperts):
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         w2 = self.w2
         part = torch.empty(act.shape[0], h, dtype=torch.float32, device=act.device)  # [P, H]
-        self.kernels.down_kernel[(e, w2.padded_rows // w2.block_n)](
+        num_n, num_m = _cdiv(w2.padded_rows, cfg.block_n_down), self._row_blocks(act.shape[0], cfg)
+        self.kernels.down_kernel[(num_n * (e if cfg.expert_grid else num_m),)](
             act, act.stride(0),
-            routes.pairs, routes.router, routes.bounds,
+            routes.pairs, routes.router, routes.bounds, routes.bounds.stride(0),
             w2.w, w2.w.stride(0), w2.w.stride(1),
             w2.s, w2.s.stride(0), w2.s.stride(1),
             part, part.stride(0),
-            h, i,
-            GROUP=w2.group_size, BLOCK_K=w2.block_k, BLOCK_M=cfg.block_m, BLOCK_N=w2.block_n,
-            IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), EVEN_K=i % w2.block_k == 0,
-            NUM_STAGES=cfg.num_stages_down or cfg.num_stages,
+            num_n, num_m, e, h, w2.padded_rows, i,
+            GROUP=w2.group_size, BLOCK_K=w2.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
+            TILE_N=w2.block_n, GROUP_M=cfg.group_m, BLOCK_E=_expert_slots(e),
+            IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), SWAP_AB=cfg.swap_ab,
+            SCALE_W=cfg.scale_weights, EVEN_K=i % w2.block_k == 0, EVEN_N=w2.padded_rows % cfg.block_n_down == 0,
+            NUM_STAGES=cfg.num_stages_down or cfg.num_stages, EXPERT_GRID=cfg.expert_grid,
             num_warps=cfg.num_warps_down or cfg.num_warps,
         )
         return part
@@ -234,14 +356,20 @@ class TritonExperts(PreparedExperts):
     def combine(self, part, routes: Routes, out) -> None:
         """out[row] = sum of its pairs' rows of `part`, in pair order (rows without pairs untouched)."""
         h = self.hidden_size
-        self.kernels.combine_kernel[(part.shape[0], _cdiv(h, COMBINE_BLOCK_N))](
-            part, part.stride(0), routes.crows, routes.cpairs, part.shape[0], out, out.stride(0), h,
-            BLOCK_R=COMBINE_BLOCK_R, BLOCK_N=COMBINE_BLOCK_N, num_warps=4,
+        self.kernels.combine_kernel[(out.shape[0], _cdiv(h, COMBINE_BLOCK_N))](
+            part, part.stride(0), routes.cpairs, routes.row_bounds, routes.row_bounds.stride(0), out, out.stride(0),
+            h, BLOCK_R=COMBINE_BLOCK_R, BLOCK_N=COMBINE_BLOCK_N, num_warps=2,
         )
 
 
 def _use_ptx(cfg: TritonConfig, x: torch.Tensor) -> bool:
     return cfg.ptx_dequant and x.is_cuda and torch.version.hip is None
+
+
+def _expert_slots(num_experts: int) -> int:
+    """BLOCK_E of the GEMM kernels: at least 128 (masked loads of the bounds), so layers with up to
+    128 experts share one compiled kernel per configuration."""
+    return _next_pow2(max(num_experts, 128))
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -4,6 +4,8 @@ Without a GPU these tests are skipped by the `cuda` fixture, never passed.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -43,11 +45,26 @@ def test_triton_matches_reference(cuda, moe_problem, rel_error, hidden, inter, g
 @pytest.mark.parametrize(
     "config",
     [
-        TritonConfig(block_n_gate_up=128, block_n_down=256),  # wider than N: partial tiles everywhere
+        # stored tiles wider than N: partial tiles everywhere
+        TritonConfig(block_n_gate_up=128, block_n_down=256, tile_n_gate_up=128, tile_n_down=256),
         TritonConfig(block_m=64, block_n_gate_up=64, block_n_down=128, num_warps=8),
         TritonConfig(block_m=32, num_stages=4),
-        TritonConfig(block_k=64, block_n_gate_up=32, block_n_down=64, num_stages=5, num_warps_down=8),
-        TritonConfig(block_k=64, block_n_gate_up=32, block_m=32, num_stages=4, num_stages_down=2),
+        TritonConfig(block_k=64, block_n_gate_up=32, tile_n_gate_up=32, block_n_down=64, tile_n_down=64,
+                     num_stages=5, num_warps_down=8),
+        TritonConfig(block_k=64, block_n_gate_up=32, tile_n_gate_up=32, block_m=32, num_stages=4, num_stages_down=2),
+        # prefill shapes: blocks of 2-4 stored tiles (the last partial), weights as the left operand,
+        # scales on the weights
+        TritonConfig(block_m=64, block_n_gate_up=128, block_n_down=256, num_warps=8, swap_ab=True),
+        TritonConfig(block_m=128, block_n_gate_up=256, block_n_down=128, num_warps=8, swap_ab=True, group_m=2,
+                     scale_weights=True),
+        TritonConfig(block_m=64, block_n_gate_up=128, block_n_down=128, num_warps=8, num_stages=4, group_m=1,
+                     scale_weights=True),
+        TritonConfig(block_k=64, block_m=64, block_n_gate_up=128, num_warps=8, swap_ab=True, scale_weights=True),
+        TritonConfig(swap_ab=True),
+        # main's decode grid: a program walks its expert's three 16-row blocks, or two 32-row blocks with the
+        # prefill operands
+        TritonConfig(expert_grid=True),
+        TritonConfig(block_m=32, block_n_gate_up=128, num_warps=8, swap_ab=True, scale_weights=True, expert_grid=True),
     ],
 )
 def test_triton_configs_and_gelu(cuda, moe_problem, rel_error, config):
@@ -56,6 +73,37 @@ def test_triton_configs_and_gelu(cuda, moe_problem, rel_error, config):
     for activation in ("silu", "gelu"):
         out = TritonExperts(p.weights, activation, cuda, config)(x, p.pair_rows, p.pair_experts, p.pair_weights)
         assert rel_error(out, _reference(p, x, activation)) < 1e-2
+
+
+@pytest.mark.parametrize("hidden,inter,group", SHAPES)
+@pytest.mark.parametrize("tokens", [1, 17])  # one row block per expert, two
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_expert_grid_matches_reference(cuda, moe_problem, rel_error, hidden, inter, group, tokens, dtype):
+    """Main's decode grid (for_load's for many experts up to 8 pairs each): a program per (expert, column
+    block) walks the expert's row blocks."""
+    assert TritonConfig.for_load(8 * 128, 128).expert_grid
+    p = moe_problem(experts=4, hidden=hidden, inter=inter, group=group, tokens_per_expert=tokens).to(cuda)
+    x = p.hidden.to(dtype)
+    out = TritonExperts(p.weights, "silu", cuda, TritonConfig(expert_grid=True))(
+        x, p.pair_rows, p.pair_experts, p.pair_weights)
+    assert rel_error(out, _reference(p, x)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("hidden,inter,group", SHAPES)
+# for_load's prefill tiles: 64-row blocks for few large and for many small experts, 128-row blocks (the same for both)
+@pytest.mark.parametrize("tokens,layer_experts", [(48, 8), (48, 128), (200, 8)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("ptx", [True, False], ids=["ptx", "triton-dequant"])
+def test_triton_prefill_matches_reference(cuda, moe_problem, rel_error, hidden, inter, group, tokens, layer_experts,
+                                          dtype, ptx):
+    """The default (for_load) prefill configurations, with PTX dequantization on or off."""
+    p = moe_problem(experts=4, hidden=hidden, inter=inter, group=group, tokens_per_expert=tokens).to(cuda)
+    x = p.hidden.to(dtype)
+    cfg = TritonConfig.for_load(tokens * layer_experts, layer_experts)  # as for a layer of that many experts
+    assert cfg.block_m >= 64, cfg  # the prefill tiles are what this test checks
+    cfg = replace(cfg, ptx_dequant=ptx)
+    out = TritonExperts(p.weights, "silu", cuda, cfg)(x, p.pair_rows, p.pair_experts, p.pair_weights)
+    assert rel_error(out, _reference(p, x)) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("hidden,inter,group", SHAPES + [(2304, 256, 128)])  # last: K split over 2 blocks
@@ -97,7 +145,7 @@ def test_triton_block_k_64(cuda, moe_problem, rel_error, hidden, inter, group, d
     assert rel_error(out, _reference(p, x)) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 8])
+@pytest.mark.parametrize("tokens", [1, 2, 8, 64, 256])  # decode, then for_load's two prefill tiles
 def test_triton_model_shape(cuda, rel_error, tokens):
     """Qwen3-30B-A3B expert shapes (H 2048, I 768, group 128), 16 experts, shuffled pairs, bf16."""
     gen = torch.Generator().manual_seed(tokens)
@@ -114,16 +162,20 @@ def test_triton_model_shape(cuda, rel_error, tokens):
     assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.parametrize("experts,pairs", [(128, 1), (128, 1024), (6, 37), (3, 5000), (128, 9000)])
+@pytest.mark.parametrize(
+    "experts,pairs", [(128, 1), (128, 256), (128, 1024), (6, 37), (3, 5000), (128, 9000), (256, 70000)]
+)
+# up to 1024 rows the sorting program takes up to 1024 pairs; counting: one, two (1000, 1 << 14), three passes by row
+@pytest.mark.parametrize("num_rows", [1, 1000, 1 << 14, 1 << 20])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
-def test_triton_route(cuda, experts, pairs, index_dtype):
-    """Pairs grouped by expert and by row, both stable (route kernel; torch.sort above
-    ROUTE_MAX_PAIRS): exactly torch's stable sorts, so the positions depend only on the inputs."""
+def test_triton_route(cuda, experts, pairs, num_rows, index_dtype):
+    """Pairs grouped by expert and by row, both stable (one sorting program up to
+    ROUTE_SORT_MAX_PAIRS, counting sorts above): exactly torch's stable sorts, so the positions
+    depend only on the inputs."""
     gen = torch.Generator().manual_seed(pairs)
     pair_experts = torch.randint(0, experts, (pairs,), generator=gen)
     if experts == 6:
         pair_experts = pair_experts % 2 * 3  # empty experts between full ones
-    num_rows = 1 << 14  # rows * the route kernel's block stays below 2^31
     pair_rows = torch.randint(0, num_rows, (pairs,), generator=gen)
     pair_weights = torch.rand(pairs, generator=gen)
     prepared = TritonExperts(make_problem(experts, 64, 32, 32, 1).weights, "silu", cuda)  # smallest layer
@@ -139,3 +191,6 @@ def test_triton_route(cuda, experts, pairs, index_dtype):
     by_row = torch.sort(pair_rows, stable=True)
     assert torch.equal(routes.crows.cpu().long(), by_row.values)
     assert torch.equal(routes.cpairs.cpu().long(), by_row.indices)
+    row_counts = torch.bincount(pair_rows, minlength=num_rows)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), row_counts.cumsum(0)])  # row t: [starts[t], starts[t+1])
+    assert torch.equal(routes.row_bounds.cpu().long(), starts)

@@ -49,7 +49,7 @@ def test_cpu_backends_are_bitwise_repeatable(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["triton", "hip_fdot2"])
-@pytest.mark.parametrize("rows", [1, 16, 512])  # decode, a larger decode batch, prefill
+@pytest.mark.parametrize("rows", [1, 16, 512, 2048])  # decode, a larger decode batch, prefill (two tiles)
 def test_gpu_backends_are_bitwise_repeatable(cuda, name, rows):
     _assert_bitwise_repeatable(name, cuda, rows)
 

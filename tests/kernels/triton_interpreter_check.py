@@ -1,4 +1,5 @@
-"""Run by test_backends_cpu under TRITON_INTERPRET=1: Triton kernels vs the reference on CPU tensors."""
+"""Run by test_backends_cpu under TRITON_INTERPRET=1: Triton kernels vs the reference on CPU tensors,
+and the routing against torch's stable sorts."""
 from __future__ import annotations
 
 import torch
@@ -8,15 +9,56 @@ from kernels.quant import Int4Weights, W4A16ExpertWeights, pack_int4
 from kernels.reference import moe_experts_w4a16_reference
 
 
+def check_route(experts: int, pairs: int, num_rows: int, gen: torch.Generator) -> None:
+    """Both routings give exactly torch's stable sorts: one sorting program and, above
+    ROUTE_SORT_MAX_PAIRS pairs or ROUTE_SORT_MAX_ROWS rows, counting (several blocks; by row one
+    pass, or two past 8 row bits)."""
+    pair_experts = torch.randint(0, experts, (pairs,), generator=gen)
+    pair_rows = torch.randint(0, num_rows, (pairs,), generator=gen)
+    pair_weights = torch.rand(pairs, generator=gen)
+    def int4(n: int, k: int) -> Int4Weights:  # values unused: routing only
+        return Int4Weights(pack_int4(torch.zeros(experts, n, k, dtype=torch.long)), torch.ones(experts, n, 1), k)
+
+    prepared = TritonExperts(W4A16ExpertWeights(int4(64, 32), int4(32, 32)), "silu", torch.device("cpu"))
+    routes = prepared.route(pair_rows, pair_experts, pair_weights, num_rows)
+    counts = torch.bincount(pair_experts, minlength=experts)
+    assert torch.equal(routes.bounds.long(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
+    by_expert = torch.sort(pair_experts, stable=True).indices
+    assert torch.equal(routes.pairs.long(), by_expert)
+    assert torch.equal(routes.rows.long(), pair_rows[by_expert])
+    assert torch.equal(routes.router, pair_weights[by_expert])
+    by_row = torch.sort(pair_rows, stable=True)
+    assert torch.equal(routes.crows.long(), by_row.values)
+    assert torch.equal(routes.cpairs.long(), by_row.indices)
+    row_counts = torch.bincount(pair_rows, minlength=num_rows)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), row_counts.cumsum(0)])  # row t: [starts[t], starts[t+1])
+    assert torch.equal(routes.row_bounds.long(), starts)
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
+    # (experts, pairs, rows): sorting program (the first and the last two of up to 1024 pairs), then counting
+    routings = [(6, 37, 50), (4, 50, 5000), (128, 1500, 200), (128, 1500, 1000), (3, 600, 1 << 9),
+                (128, 1024, 1000), (128, 9000, 1 << 12)]
+    for experts, pairs, num_rows in routings:
+        check_route(experts, pairs, num_rows, gen)
     # (experts, hidden, inter, group, tokens per expert, rows, config): partial N tiles, 2 M tiles,
-    # gelu; rows None = 2 * tokens + 1. The last puts all 20 pairs on one row: the combine adds
-    # more than one window (COMBINE_BLOCK_R = 16) of a row's pairs.
+    # gelu; rows None = 2 * tokens + 1. The third puts all 20 pairs on one row: the combine adds
+    # more than one window (COMBINE_BLOCK_R = 8) of a row's pairs. The fourth launches main's decode
+    # grid (a program per expert and column block walks the expert's two row blocks). The last two take the prefill
+    # path (weights as the left operand with the scales on them, blocks of two stored tiles, the last
+    # one partial: N 160 padded to 192 against blocks of 128; three row blocks per expert, two per
+    # column turn), the second without swapping and with scales on the partials.
+    prefill = TritonConfig(block_m=32, block_n_gate_up=128, block_n_down=128, tile_n_down=64, swap_ab=True,
+                           scale_weights=True, group_m=2, num_warps=8)
     cases = [
-        (3, 160, 96, 32, 1, None, TritonConfig(block_n_gate_up=64, block_n_down=64), "silu"),
-        (2, 192, 64, 64, 17, None, TritonConfig(block_n_gate_up=32, block_n_down=128), "gelu"),
+        (3, 160, 96, 32, 1, None, TritonConfig(block_n_gate_up=64, block_n_down=64, tile_n_down=64), "silu"),
+        (2, 192, 64, 64, 17, None, TritonConfig(block_n_gate_up=32, tile_n_gate_up=32), "gelu"),
         (20, 128, 64, 32, 1, 1, TritonConfig(), "silu"),
+        (3, 160, 96, 32, 17, None, TritonConfig(expert_grid=True), "gelu"),
+        (3, 160, 160, 32, 70, None, prefill, "silu"),
+        (2, 128, 160, 32, 70, None, TritonConfig(block_m=32, block_n_gate_up=128, block_n_down=128, group_m=3),
+         "gelu"),
     ]
     for experts, hidden, inter, group, tokens, rows, config, activation in cases:
         def int4(n: int, k: int) -> Int4Weights:
@@ -33,7 +75,7 @@ def main() -> None:
         ref = moe_experts_w4a16_reference(x, pair_rows, pair_experts, pair_weights, weights, activation)
         err = (out - ref).abs().max().item() / ref.abs().max().item()
         assert err < 1e-2, f"case {experts, hidden, inter, group, tokens}: relative error {err}"
-    print("checked", len(cases), "cases")
+    print("checked", len(cases), "cases and", len(routings), "routings")
 
 
 if __name__ == "__main__":
