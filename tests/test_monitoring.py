@@ -32,6 +32,7 @@ pytestmark = [
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 NUM_WORKERS = 8
+SERVING = "hetero-moe serves "  # what `up` prints once the attention server answers /health
 VICTIM = 3  # killed mid-stream; with two replicas its experts fail over, and `make up` restarts it
 STREAM_TOKENS = 64
 SCRAPE_INTERVAL = "1s"
@@ -188,6 +189,12 @@ def live(model_dir, tmp_path_factory):
         )  # fmt: skip
     try:
         wait_http_ready(base_url, [launcher], timeout_s=900)
+        # Only once `up` has seen /health itself does it restart workers: before, a worker that
+        # exits fails the start. Its polls can lag the test's on a loaded machine (CI failed so).
+        deadline = time.monotonic() + 120
+        while SERVING not in (logs / "cluster.log").read_text(errors="replace"):
+            assert launcher.poll() is None and time.monotonic() < deadline, "`up` never said it serves"
+            time.sleep(0.5)
         prom = Prometheus(f"http://{HOST}:{prometheus_port}")
         killed = []
 
