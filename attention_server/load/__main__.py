@@ -47,7 +47,10 @@ def table(view: LoadView, counts: np.ndarray, span: str) -> str:
 
 
 def heat_map(view: LoadView, counts: np.ndarray, span: str, path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--png draws with matplotlib, which is not installed: pip install -e '.[bench]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
