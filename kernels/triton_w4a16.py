@@ -127,7 +127,8 @@ def _mma(x, w, acc, SWAP_AB: tl.constexpr):
 
 @triton.jit
 def _per_column(s, SWAP_AB: tl.constexpr):
-    """[BN] scales broadcast over the accumulator's output columns."""
+    """[BN] scales broadcast along a tile's N axis (the accumulator's or a weight tile's): its rows
+    under SWAP_AB, its columns otherwise."""
     if SWAP_AB:
         cols = s[:, None]
     else:
@@ -167,11 +168,7 @@ def _scaled_block(acc, x0, x1, x2, x3, w0, w1, w2, w3, s_ptrs, n_ok, b, stride_s
 def _weight_scale(s_ptrs, n_ok, group, stride_sg, dtype: tl.constexpr, SWAP_AB: tl.constexpr):
     """One group's [BN] scales in the weights' dtype, shaped to multiply a weight tile."""
     s = tl.load(s_ptrs + group * stride_sg, mask=n_ok, other=0.0).to(dtype)
-    if SWAP_AB:
-        tile = s[:, None]
-    else:
-        tile = s[None, :]
-    return tile
+    return _per_column(s, SWAP_AB)
 
 
 @triton.jit
