@@ -22,7 +22,6 @@ import logging
 import os
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch
 
 import tiny_models
 from attention_server.config import DEFAULT_EXPERT_LOAD_WINDOW_S, AttentionConfig, share_metrics_across_processes
-from cluster.launcher import ClusterSpec, free_worker_ports, stop_pids
+from cluster.launcher import Cluster, ClusterSpec, free_worker_ports
 from protos.checkpoint import read_checkpoint
 
 logger = logging.getLogger("bench_load")
@@ -111,12 +110,9 @@ def main() -> None:
     ckpt = read_checkpoint(model)
     spec = ClusterSpec(model=model, num_workers=NUM_WORKERS, http_port=0, host=HOST, run_dir=logs, worker_threads=1,
                        **free_worker_ports(NUM_WORKERS), tls_dir=None)  # fmt: skip
-    procs: dict[str, subprocess.Popen] = {}
+    workers = Cluster(spec)
     try:
-        for i in range(NUM_WORKERS):
-            with (logs / f"worker-{i}.log").open("wb") as f:
-                procs[f"worker-{i}"] = subprocess.Popen(spec.worker_command(i), stdout=f, stderr=subprocess.STDOUT,
-                                                        start_new_session=True)  # fmt: skip
+        workers.start_workers()
         cfg = AttentionConfig(tuple(spec.endpoints), data_plane=a.plane, tls_dir=None)
         pool = ExpertPool(cfg, ckpt)  # waits for the workers' Info
         load = pool.load
@@ -131,7 +127,7 @@ def main() -> None:
         finally:
             pool.transport.close()
     finally:
-        stop_pids({n: p.pid for n, p in procs.items()}, reap=lambda: [p.poll() for p in procs.values()])
+        workers.stop()
     steps = {mode: {"p50_ms": statistics.median(t) * 1e3, "mean_ms": statistics.fmean(t) * 1e3, "steps": len(t)}
              for mode, t in times.items()}  # fmt: skip
     alone = {

@@ -132,10 +132,14 @@ class Cluster:
             log.close()  # the child holds its own descriptor
         self.started[name] = time.monotonic()
 
-    def start(self, attention_to_terminal: bool) -> None:
+    def start_workers(self) -> None:
+        """Every worker, each logging to run_dir/worker-i.log (benchmarks drive them without vLLM)."""
         self.spec.run_dir.mkdir(parents=True, exist_ok=True)
         for i in range(self.spec.num_workers):
             self._spawn(f"worker-{i}", self.spec.worker_command(i), log_to_terminal=False)
+
+    def start(self, attention_to_terminal: bool) -> None:
+        self.start_workers()
         self._spawn("attention", self.spec.attention_command(), log_to_terminal=attention_to_terminal)
         self.state_file.write_text(json.dumps({n: p.pid for n, p in self.procs.items()}))
 
