@@ -14,7 +14,7 @@ import sys
 
 from attention_server.config import (
     DATA_PLANES, DEFAULT_EXPERT_LOAD_WINDOW_S, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_WORKER_LOSS_TIMEOUT_S,
-    MAX_MICROBATCHES, AttentionConfig, microbatches_flag, share_metrics_across_processes,
+    MAX_MICROBATCHES, AttentionConfig, bytes_flag, microbatches_flag, share_metrics_across_processes,
 )  # fmt: skip
 from attention_server.handshake import WorkerMismatchError, check_workers
 from protos.checkpoint import CheckpointError, read_checkpoint
@@ -44,6 +44,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--expert-load-window", type=float, default=DEFAULT_EXPERT_LOAD_WINDOW_S, metavar="S",
                    help="count the tokens routed to each (MoE layer, expert) over the last S seconds, for "
                         "/metrics and /hetero_moe/expert_load (python -m attention_server.load); 0: off")
+    p.add_argument("--hot-expert-bytes", type=bytes_flag, default=0, metavar="BYTES",
+                   help="compute the busiest routed experts of the load window that fit in BYTES (e.g. 2GiB) on this "
+                        "node, with the workers' kernels, while the workers compute the rest; re-chosen as the load "
+                        "moves; 0 (default): every routed expert on the workers")
     ours, vllm_args = p.parse_known_args(argv)
     if (ours.pingpong_microbatches or 1) > 1 and not ours.expert_endpoints:
         p.error("--pingpong-microbatches needs --expert-endpoints (without them this is stock vLLM)")
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = AttentionConfig.from_flags(ours.expert_endpoints, ours.expert_timeout, ours.data_plane,
                                              ours.pingpong_microbatches, ours.expert_replicas,
                                              ours.worker_loss_timeout, ours.expert_load_window,
-                                             tls_dir=ours.tls_dir, plaintext=ours.plaintext)  # fmt: skip
+                                             ours.hot_expert_bytes, tls_dir=ours.tls_dir, plaintext=ours.plaintext)  # fmt: skip
             credentials = cfg.security()
             vllm_argv += pingpong_worker_args(cfg.pingpong_microbatches, vllm_argv)
             vllm_argv += ["--middleware", load_route.MIDDLEWARE]  # GET /hetero_moe/expert_load

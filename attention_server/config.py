@@ -26,6 +26,7 @@ WORKER_LOSS_ENV = "HETERO_MOE_WORKER_LOSS_TIMEOUT_S"
 TLS_DIR_ENV = "HETERO_MOE_TLS_DIR"  # --tls-dir
 PLAINTEXT_ENV = "HETERO_MOE_PLAINTEXT"  # "1": --plaintext
 LOAD_WINDOW_ENV = "HETERO_MOE_EXPERT_LOAD_WINDOW_S"
+HOT_BYTES_ENV = "HETERO_MOE_HOT_EXPERT_BYTES"
 MAX_MICROBATCHES = 4
 DATA_PLANES = ("auto", "shm", "tcp", "grpc")
 DEFAULT_REQUEST_TIMEOUT_S = 60.0
@@ -42,6 +43,19 @@ def microbatches_flag(text: str) -> int | None:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of micro-batches or auto, got {text!r}") from None
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def bytes_flag(text: str) -> int:
+    """A byte count: 1048576, 512MiB, 2GiB, 1.5G (B optional, case ignored)."""
+    number = text.strip().rstrip("Bb").rstrip()
+    unit = number.lstrip("0123456789.").strip().lower()
+    try:
+        return int(float(number[: len(number) - len(unit)].strip()) * _UNITS[unit])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 536870912 or 512MiB, got {text!r}") from None
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -62,6 +76,7 @@ class AttentionConfig:
     expert_replicas: int | None = None  # R: workers holding each shard; None: what the workers hold
     worker_loss_timeout_s: float = DEFAULT_WORKER_LOSS_TIMEOUT_S  # a shard with no live replica waits this long
     expert_load_window_s: float = DEFAULT_EXPERT_LOAD_WINDOW_S  # tokens per (layer, expert) over this; 0: not counted
+    hot_expert_bytes: int = 0  # the busiest routed experts that fit are computed on this node (hot.py); 0: none
     tls_dir: Path | None = field(kw_only=True)  # mutual TLS and token from here (protos/security.py); None: plaintext
 
     def __post_init__(self) -> None:
@@ -84,6 +99,11 @@ class AttentionConfig:
             raise ValueError(f"worker loss timeout must be >= 0 s, got {self.worker_loss_timeout_s}")
         if not self.expert_load_window_s >= 0:
             raise ValueError(f"expert load window must be >= 0 s (0: off), got {self.expert_load_window_s}")
+        if self.hot_expert_bytes < 0:
+            raise ValueError(f"hot expert bytes must be >= 0 (0: none), got {self.hot_expert_bytes}")
+        if self.hot_expert_bytes and not self.expert_load_window_s:
+            raise ValueError("hot experts are chosen from the expert load window: --hot-expert-bytes needs "
+                             "--expert-load-window above 0")  # fmt: skip
         if self.tls_dir is not None and not self.tls_dir.is_dir():
             raise ValueError(f"--tls-dir {self.tls_dir} is not a directory")
 
@@ -97,13 +117,13 @@ class AttentionConfig:
     def from_flags(cls, endpoints: str, request_timeout_s: float, data_plane: str = "auto",
                    pingpong_microbatches: int | None = None, expert_replicas: int | None = None,
                    worker_loss_timeout_s: float = DEFAULT_WORKER_LOSS_TIMEOUT_S,
-                   expert_load_window_s: float = DEFAULT_EXPERT_LOAD_WINDOW_S, *, tls_dir: Path | None,
-                   plaintext: bool) -> AttentionConfig:  # fmt: skip
+                   expert_load_window_s: float = DEFAULT_EXPERT_LOAD_WINDOW_S, hot_expert_bytes: int = 0, *,
+                   tls_dir: Path | None, plaintext: bool) -> AttentionConfig:  # fmt: skip
         from protos.security import tls_dir_flag
 
         return cls(tuple(e.strip() for e in endpoints.split(",") if e.strip()), request_timeout_s, data_plane,
                    pingpong_microbatches, expert_replicas, worker_loss_timeout_s, expert_load_window_s,
-                   tls_dir=tls_dir_flag(tls_dir, plaintext))  # fmt: skip
+                   hot_expert_bytes, tls_dir=tls_dir_flag(tls_dir, plaintext))  # fmt: skip
 
     @classmethod
     def from_env(cls) -> AttentionConfig | None:
@@ -116,7 +136,7 @@ class AttentionConfig:
             endpoints, float(os.environ.get(TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT_S)), os.environ.get(DATA_PLANE_ENV, "auto"),
             microbatches_flag(os.environ.get(PINGPONG_ENV, "auto")), int(replicas) if replicas else None,
             float(os.environ.get(WORKER_LOSS_ENV, DEFAULT_WORKER_LOSS_TIMEOUT_S)),
-            float(os.environ.get(LOAD_WINDOW_ENV, DEFAULT_EXPERT_LOAD_WINDOW_S)),
+            float(os.environ.get(LOAD_WINDOW_ENV, DEFAULT_EXPERT_LOAD_WINDOW_S)), int(os.environ.get(HOT_BYTES_ENV, "0")),
             tls_dir=Path(tls) if (tls := os.environ.get(TLS_DIR_ENV)) else None,
             plaintext=os.environ.get(PLAINTEXT_ENV) == "1",
         )  # fmt: skip
@@ -129,6 +149,7 @@ class AttentionConfig:
         os.environ[PINGPONG_ENV] = "auto" if self.pingpong_microbatches is None else str(self.pingpong_microbatches)
         os.environ[WORKER_LOSS_ENV] = repr(self.worker_loss_timeout_s)
         os.environ[LOAD_WINDOW_ENV] = repr(self.expert_load_window_s)
+        os.environ[HOT_BYTES_ENV] = str(self.hot_expert_bytes)
         if self.tls_dir is None:
             os.environ.pop(TLS_DIR_ENV, None)
             os.environ[PLAINTEXT_ENV] = "1"

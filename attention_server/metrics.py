@@ -93,6 +93,22 @@ LOAD_TOP_TOKENS = Gauge(
 )
 
 
+# Hot experts on the attention node (attention_server/hot.py): four series.
+HOT_EXPERTS = Gauge("hetero_moe_hot_experts", "Routed experts (of all layers) computed on the attention node",
+                    multiprocess_mode="livemostrecent")  # fmt: skip
+HOT_BYTES = Gauge("hetero_moe_hot_expert_bytes", "Weight bytes of the routed experts computed on the attention node",
+                  multiprocess_mode="livemostrecent")  # fmt: skip
+PLACEMENT_EPOCH = Gauge("hetero_moe_placement_epoch", "Hot sets taken so far (0: none yet)",
+                        multiprocess_mode="livemostrecent")  # fmt: skip
+HOT_PAIRS = Counter("hetero_moe_hot_pairs", "(token, expert) pairs computed on the attention node by its hot experts")
+
+
+def publish_hot(epoch: int, experts: int, nbytes: int) -> None:
+    PLACEMENT_EPOCH.set(epoch)
+    HOT_EXPERTS.set(experts)
+    HOT_BYTES.set(nbytes)
+
+
 def publish_load(view: LoadView) -> None:
     for over in BALANCE_OVER:
         for layer, value in zip(view.layers, view.balance(view.window, over).tolist()):
@@ -131,15 +147,17 @@ class DispatchCounts:
     def __init__(self, num_workers: int):
         self.sent = [[0, 0, 0, 0, 0] for _ in range(num_workers)]  # per worker: messages, rows, pairs, bytes out, in
         self.routed: dict[int, list] = {}  # per MoE layer: [tokens, pairs per expert [E]]
+        self.hot_pairs = 0  # computed by the attention node's hot experts
         workers = [str(w) for w in range(num_workers)]
         self._series = [
             [DISPATCH_MESSAGES.labels(w), DISPATCH_ROWS.labels(w), DISPATCH_PAIRS.labels(w),
              DISPATCH_BYTES_SENT.labels(w), DISPATCH_BYTES_RECEIVED.labels(w)] for w in workers
         ]  # fmt: skip
 
-    def add(self, layer: int, plan, width: int, itemsize: int, workers: list[int]) -> None:
+    def add(self, layer: int, plan, width: int, itemsize: int, workers: list[int], hot_pairs: int = 0) -> None:
         """plan: the layer's DispatchPlan for a [T, width] input of `itemsize`-byte elements;
-        workers: the worker that computed each of its slices."""
+        workers: the worker that computed each of its slices; hot_pairs: pairs computed here."""
+        self.hot_pairs += hot_pairs
         routed = self.routed.get(layer)
         if routed is None:
             self.routed[layer] = [plan.num_tokens, plan.expert_pairs.copy()]
@@ -167,3 +185,6 @@ class DispatchCounts:
             ROUTED_PAIRS.labels(label).inc(int(expert_pairs.sum()))
             EXPERT_IMBALANCE.observe(float(expert_pairs.max() / expert_pairs.mean()))
         self.routed.clear()
+        if self.hot_pairs:
+            HOT_PAIRS.inc(self.hot_pairs)
+            self.hot_pairs = 0

@@ -51,8 +51,9 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from attention_server import metrics
 from attention_server.combine import combine
 from attention_server.config import AttentionConfig
+from attention_server.hot import HotExperts, HotSet, WorkerFormat
 from attention_server.load.window import ExpertLoad, LoadView
-from attention_server.partition import partition
+from attention_server.partition import DispatchPlan, partition
 from attention_server.transport import factory
 from attention_server.transport.base import Pending
 from attention_server.vllm_internals import dbo_current_ubatch_id, dbo_yield
@@ -68,11 +69,14 @@ class UnsupportedMoEError(ValueError):
 class ExpertPool:
     """This process's connections to the expert workers and the placement over them."""
 
-    def __init__(self, cfg: AttentionConfig, ckpt: MoeCheckpoint):
+    def __init__(self, cfg: AttentionConfig, ckpt: MoeCheckpoint, device: torch.device):
         # `python -m attention_server` checked every worker's Info before vLLM started and
         # published the replicas they hold; this process reads Info again for the data planes.
-        self.transport = factory.connect_workers(cfg, ckpt)
+        self.transport, infos = factory.connect_workers(cfg, ckpt)
         self.shards = self.transport.placement.shard_table()  # [E] shard of each expert
+        self.hot_shard = len(cfg.expert_endpoints)  # hot experts' slices: computed here, added last
+        self.hot = (HotExperts(ckpt, self.shards, self.hot_shard, cfg.hot_expert_bytes, WorkerFormat.of(infos), device)
+                    if cfg.hot_expert_bytes else None)  # fmt: skip
         self.counts = metrics.DispatchCounts(len(cfg.expert_endpoints))
         self.load = (ExpertLoad(ckpt.moe_layers, self.shards, ckpt.top_k, cfg.expert_load_window_s)
                      if cfg.expert_load_window_s else None)  # fmt: skip
@@ -80,9 +84,10 @@ class ExpertPool:
         self.last_layer = -1  # the step's last MoE layer publishes its counts
         self.moe_layers = 0  # RemoteRoutedExperts built on this pool
 
-    def record(self, layer: int, pending: Pending, width: int, itemsize: int) -> None:
-        """A layer call's dispatch (`pending`: answered), for the counters and the load window."""
-        self.counts.add(layer, pending.plan, width, itemsize, [call.worker for call in pending.calls])
+    def record(self, layer: int, pending: Pending, width: int, itemsize: int, hot_pairs: int) -> None:
+        """A layer call's dispatch (`pending`: answered; `hot_pairs` computed here), for the counters
+        and the load window."""
+        self.counts.add(layer, pending.plan, width, itemsize, [call.worker for call in pending.calls], hot_pairs)
         if self.load is not None:
             self.load.add(self.load.slots[layer], pending.plan.expert_pairs)
 
@@ -90,7 +95,10 @@ class ExpertPool:
         """After the step's last MoE layer (of each micro-batch)."""
         self.counts.publish()
         if self.load is not None and self.load.advance():
-            metrics.publish_load(self.load.view())
+            view = self.load.view()
+            metrics.publish_load(view)
+            if self.hot is not None:
+                self.hot.offer(view)
 
     def load_view(self) -> LoadView | None:
         """The expert load window as of now, None when it is off; the gauges show the same."""
@@ -103,10 +111,10 @@ class ExpertPool:
 
 
 @functools.cache
-def expert_pool(model: str) -> ExpertPool:
+def expert_pool(model: str, device: torch.device) -> ExpertPool:
     cfg = AttentionConfig.from_env()
     assert cfg is not None, "remote experts built while the plugin is off"
-    return ExpertPool(cfg, read_checkpoint(model))
+    return ExpertPool(cfg, read_checkpoint(model), device)
 
 
 class RemoteExpertsMethod(FusedMoEMethodBase):
@@ -142,13 +150,16 @@ class RemoteRoutedExperts(RoutedExperts):
         if reasons := [name for name, present in unsupported.items() if present]:
             raise UnsupportedMoEError(f"{layer_name}: remote experts do not support {', '.join(reasons)}")
         self.layer_index = extract_layer_index(layer_name)
-        self.pool = expert_pool(get_current_vllm_config().model_config.model)
+        vllm_config = get_current_vllm_config()
+        self.pool = expert_pool(vllm_config.model_config.model, torch.device(vllm_config.device_config.device))
         assert len(self.pool.shards) == self.global_num_experts, (len(self.pool.shards), self.global_num_experts)
         self.pool.last_layer = max(self.pool.last_layer, self.layer_index)
         self.pool.moe_layers += 1
         # Where the custom ops find this layer: vLLM's forward context, as for its own layers.
         self.op_key = f"{layer_name}.remote_experts"
-        get_current_vllm_config().compilation_config.static_forward_context[self.op_key] = self
+        vllm_config.compilation_config.static_forward_context[self.op_key] = self
+        # Per micro-batch in flight: the hot set the call took and its whole plan (hot slice last).
+        self.hot_calls: dict[int, tuple[HotSet, DispatchPlan]] = {}
 
     def _get_quant_method(
         self, prefix: str, quant_config: QuantizationConfig | None, moe_config: FusedMoEConfig
@@ -177,18 +188,35 @@ class RemoteRoutedExperts(RoutedExperts):
         return torch.ops.hetero_moe.combine(token, x, self.op_key)
 
     def send(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        plan = partition(topk_ids, topk_weights, self.pool.shards)
-        self.pool.transport.send(self.layer_index, dbo_current_ubatch_id(), x, plan)
+        micro_batch = dbo_current_ubatch_id()
+        hot = self.pool.hot.current() if self.pool.hot is not None else None
+        if hot is None or self.layer_index not in hot.experts:
+            plan = partition(topk_ids, topk_weights, self.pool.shards)
+        else:
+            plan = partition(topk_ids, topk_weights, hot.table(self.layer_index, self.pool.shards))
+            if plan.slices and plan.slices[-1].shard == self.pool.hot_shard:
+                self.hot_calls[micro_batch] = (hot, plan)
+                plan = DispatchPlan(plan.num_tokens, plan.slices[:-1], plan.expert_pairs)
+        self.pool.transport.send(self.layer_index, micro_batch, x, plan)
 
     def receive(self, x: torch.Tensor) -> torch.Tensor:
+        micro_batch = dbo_current_ubatch_id()
+        # Hot experts here while the workers compute the rest.
+        hot_partial, (hot, plan) = None, self.hot_calls.pop(micro_batch, (None, None))
+        if hot is not None:
+            hot_partial = hot.compute(self.layer_index, x, plan.slices[-1]).cpu()
         # Under ping-pong the next micro-batch runs its attention while this one's rows are out.
         dbo_yield()
-        pending = self.pool.transport.take(self.layer_index, dbo_current_ubatch_id())
+        pending = self.pool.transport.take(self.layer_index, micro_batch)
         start = time.perf_counter()
         partials = pending.wait()
         waited = time.perf_counter()
-        self.pool.record(self.layer_index, pending, x.shape[1], x.element_size())
-        out = combine(pending.plan, partials, x.shape[1], x.dtype).to(x.device)
+        hot_pairs = 0 if hot is None else plan.slices[-1].num_pairs
+        self.pool.record(self.layer_index, pending, x.shape[1], x.element_size(), hot_pairs)
+        if hot is None:
+            out = combine(pending.plan, partials, x.shape[1], x.dtype).to(x.device)
+        else:
+            out = combine(plan, [*partials, hot_partial], x.shape[1], x.dtype).to(x.device)
         self.pool.times.expert_wait_s += waited - start
         self.pool.times.combine_s += time.perf_counter() - waited
         if self.layer_index == self.pool.last_layer:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from attention_server.config import DATA_PLANES, microbatches_flag
+from attention_server.config import DATA_PLANES, bytes_flag, microbatches_flag
 from cluster.certs import has_certs, make_certs, reuse_or_make
 from cluster.launcher import Cluster, ClusterSpec, stop_detached
 from protos import security
@@ -68,6 +68,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     up.add_argument("--expert-load-window", type=float, default=None, metavar="S",
                     help="tokens per (MoE layer, expert) over the last S seconds, on /metrics and through "
                          "python -m attention_server.load (attention_server's default: 60); 0: not counted")
+    up.add_argument("--hot-expert-bytes", type=bytes_flag, default=0, metavar="BYTES",
+                    help="the busiest routed experts that fit in BYTES (e.g. 512MiB) are computed on the attention "
+                         "server, chosen and re-chosen from the load window; 0 (default): all on the workers")
     up.add_argument("--pingpong-microbatches", type=microbatches_flag, default=None, metavar="M|auto",
                     help="steps of at least M requests run as M micro-batches in ping-pong (1 to 4); 1: off; "
                          "auto (default): M chosen per step from measured times")
@@ -142,6 +145,7 @@ def up(a: argparse.Namespace) -> int:
         expert_replicas=replicas,
         worker_loss_timeout_s=a.worker_loss_timeout,
         expert_load_window_s=a.expert_load_window,
+        hot_expert_bytes=a.hot_expert_bytes,
         vllm_args=tuple(vllm_args),
         worker_args=worker_args(a),
     )

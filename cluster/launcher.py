@@ -44,6 +44,7 @@ class ClusterSpec:
     expert_replicas: int | None = None  # --expert-replicas of the workers and the attention server; None: auto
     worker_loss_timeout_s: float | None = None  # attention_server --worker-loss-timeout; None: its default
     expert_load_window_s: float | None = None  # attention_server --expert-load-window; None: its default
+    hot_expert_bytes: int = 0  # attention_server --hot-expert-bytes
     vllm_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()  # e.g. --weight-format w4a16 --kernel-backend cpu
 
@@ -103,6 +104,7 @@ class ClusterSpec:
             *self._replicas_args(),
             *(("--worker-loss-timeout", str(self.worker_loss_timeout_s)) if self.worker_loss_timeout_s is not None else ()),
             *(("--expert-load-window", str(self.expert_load_window_s)) if self.expert_load_window_s is not None else ()),
+            "--hot-expert-bytes", str(self.hot_expert_bytes),
             "--host", self.host,
             "--port", str(self.http_port),
             "--served-model-name", self.served_model_name,

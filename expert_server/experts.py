@@ -55,6 +55,7 @@ class LocalExperts:
         first = self.shards[0].loaded
         self.layers = tuple(first.layers)
         self.kernel_backend, self.weight_format = first.kernel_backend, first.weight_format
+        self.load_format, self.group_size = first.load_format, first.group_size
 
     @property
     def ranges(self) -> list[tuple[int, int]]:

@@ -39,6 +39,8 @@ class ExpertServicer:
             activation_dtype=codec.wire_dtype(ckpt.dtype),
             weight_format=experts.weight_format,
             kernel_backend=experts.kernel_backend,
+            load_format=experts.load_format,
+            group_size=experts.group_size,
             activation=ckpt.activation,
             data_planes=data_planes,
         )

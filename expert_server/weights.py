@@ -8,6 +8,7 @@ prepared for the kernel backend the oracle picks.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,9 @@ class LoadedShard:
 
     layers: dict[int, PreparedExperts]
     kernel_backend: str
-    weight_format: str
+    weight_format: str  # what the experts are, e.g. "bfloat16", "w4a16 int4 sym group 128"
+    load_format: str = "checkpoint"  # how they were loaded: "checkpoint" (as stored) or "w4a16" (quantized on load)
+    group_size: int = 0  # the quantize-on-load group; 0 when loaded as stored
 
 
 def free_memory_per_worker(device: torch.device, num_workers: int) -> int:
@@ -52,7 +55,22 @@ def load_shard(
     group_size: int = 128,
 ) -> LoadedShard:
     """Experts [start, end) of every MoE layer, keyed by decoder layer index; only their tensors are read."""
+    experts = {layer: range(start, end) for layer in ckpt.moe_layers}
+    return load_experts(ckpt, experts, device, weight_format, kernel_backend, group_size)
+
+
+def load_experts(
+    ckpt: MoeCheckpoint,
+    experts: dict[int, Sequence[int]],
+    device: torch.device,
+    weight_format: str = "checkpoint",
+    kernel_backend: str | None = None,
+    group_size: int = 128,
+) -> LoadedShard:
+    """experts[layer]: the global expert ids to load for that MoE layer, in the order their pairs will
+    index them (a worker's shard range; the attention node's hot experts). Only their tensors are read."""
     assert weight_format in WEIGHT_FORMATS, weight_format
+    assert experts and all(experts.values()), "at least one expert per layer loaded"
     source = SafetensorsFiles(ckpt.tensor_files())
     quant = parse_quant_config(ckpt.quantization_config, quantize_group=group_size)
     if quant.method == DENSE and weight_format == "checkpoint":
@@ -61,27 +79,33 @@ def load_shard(
                 f"kernel backend {kernel_backend!r} runs W4A16 experts; this {ckpt.dtype} checkpoint is "
                 "served unquantized by the reference: pass --weight-format w4a16 to quantize it on load"
             )
-        layers = {l: DenseReference(w, ckpt.activation) for l, w in _load_dense(ckpt, source, start, end, device).items()}
+        layers = {l: DenseReference(w, ckpt.activation) for l, w in _load_dense(ckpt, source, experts, device).items()}
         return LoadedShard(layers, "reference", str(ckpt.dtype).removeprefix("torch."))
+    quantized_on_load = quant.method == DENSE  # and weight_format == "w4a16"
 
     naming, layers, choice = ckpt.naming, {}, None
-    for layer in ckpt.moe_layers:
-        keys = [
-            ExpertKeys(*(naming.module(layer, e, p) for p in (naming.gate, naming.up, naming.down)))
-            for e in range(start, end)
-        ]
+    for layer, ids in experts.items():
+        keys = [ExpertKeys(*(naming.module(layer, e, p) for p in (naming.gate, naming.up, naming.down))) for e in ids]
         weights = load_expert_weights(source, keys, quant)
         if choice is None:
             choice = choose_backend(device, weights.scheme, ckpt.activation, forced=kernel_backend)
         layers[layer] = choice.backend.prepare(weights, ckpt.activation, device)
     scheme = weights.scheme
-    logger.info("experts [%d, %d) of %d layers as %s on %r", start, end, len(layers), scheme.describe(),
+    logger.info("%s of %d layers as %s on %r", _describe(experts), len(layers), scheme.describe(),
                 choice.backend.name)  # fmt: skip
-    return LoadedShard(layers, choice.backend.name, f"w4a16 {scheme.describe()}")
+    return LoadedShard(layers, choice.backend.name, f"w4a16 {scheme.describe()}", weight_format if quantized_on_load
+                       else "checkpoint", group_size if quantized_on_load else 0)  # fmt: skip
+
+
+def _describe(experts: dict[int, Sequence[int]]) -> str:
+    ids = next(iter(experts.values()))
+    if isinstance(ids, range) and all(e == ids for e in experts.values()):
+        return f"experts [{ids.start}, {ids.stop})"
+    return f"{sum(len(e) for e in experts.values())} experts"
 
 
 def _load_dense(
-    ckpt: MoeCheckpoint, source: SafetensorsFiles, start: int, end: int, device: torch.device
+    ckpt: MoeCheckpoint, source: SafetensorsFiles, experts: dict[int, Sequence[int]], device: torch.device
 ) -> dict[int, DenseExpertWeights]:
     """w13 is [E_w, 2I, H] (gate rows then up rows), w2 is [E_w, H, I]."""
     naming = ckpt.naming
@@ -93,11 +117,10 @@ def _load_dense(
         return source[name]
 
     shard = {}
-    for layer in ckpt.moe_layers:
-        experts = range(start, end)
-        w13 = torch.stack([torch.cat([read(layer, e, naming.gate), read(layer, e, naming.up)]) for e in experts])
-        w2 = torch.stack([read(layer, e, naming.down) for e in experts])
+    for layer, ids in experts.items():
+        w13 = torch.stack([torch.cat([read(layer, e, naming.gate), read(layer, e, naming.up)]) for e in ids])
+        w2 = torch.stack([read(layer, e, naming.down) for e in ids])
         shard[layer] = DenseExpertWeights(w13=w13.to(device), w2=w2.to(device))
     nbytes = sum(w.w13.nbytes + w.w2.nbytes for w in shard.values())
-    logger.info("loaded experts [%d, %d) of %d layers: %.1f MiB", start, end, len(shard), nbytes / 2**20)
+    logger.info("loaded %s of %d layers: %.1f MiB", _describe(experts), len(shard), nbytes / 2**20)
     return shard

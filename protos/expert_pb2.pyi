@@ -46,7 +46,7 @@ class ExpertRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "model_fingerprint", "model_type", "num_hidden_layers", "moe_layers", "num_experts", "hidden_size", "worker_index", "num_workers", "expert_ranges", "activation_dtype", "weight_format", "kernel_backend", "activation", "data_planes", "expert_replicas")
+    __slots__ = ("protocol_version", "model_fingerprint", "model_type", "num_hidden_layers", "moe_layers", "num_experts", "hidden_size", "worker_index", "num_workers", "expert_ranges", "activation_dtype", "weight_format", "kernel_backend", "activation", "data_planes", "expert_replicas", "load_format", "group_size")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class InfoResponse(_message.Message):
     ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANES_FIELD_NUMBER: _ClassVar[int]
     EXPERT_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_fingerprint: str
     model_type: str
@@ -79,7 +81,9 @@ class InfoResponse(_message.Message):
     activation: str
     data_planes: _containers.RepeatedCompositeFieldContainer[DataPlane]
     expert_replicas: int
-    def __init__(self, protocol_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., num_hidden_layers: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., num_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., expert_ranges: _Optional[_Iterable[_Union[ExpertRange, _Mapping]]] = ..., activation_dtype: _Optional[_Union[DType, str]] = ..., weight_format: _Optional[str] = ..., kernel_backend: _Optional[str] = ..., activation: _Optional[str] = ..., data_planes: _Optional[_Iterable[_Union[DataPlane, _Mapping]]] = ..., expert_replicas: _Optional[int] = ...) -> None: ...
+    load_format: str
+    group_size: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., num_hidden_layers: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., num_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., expert_ranges: _Optional[_Iterable[_Union[ExpertRange, _Mapping]]] = ..., activation_dtype: _Optional[_Union[DType, str]] = ..., weight_format: _Optional[str] = ..., kernel_backend: _Optional[str] = ..., activation: _Optional[str] = ..., data_planes: _Optional[_Iterable[_Union[DataPlane, _Mapping]]] = ..., expert_replicas: _Optional[int] = ..., load_format: _Optional[str] = ..., group_size: _Optional[int] = ...) -> None: ...
 
 class DataPlane(_message.Message):
     __slots__ = ("kind", "port", "address", "host_id")

@@ -18,7 +18,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.certs import make_certs
-from cluster.launcher import free_ports, free_worker_ports, stop_pids  # noqa: F401 (tests import them from here)
+from cluster.launcher import free_ports, free_worker_ports, stop_pids, wait_http_ready  # noqa: F401 (tests import them from here)
 from protos.security import Security
 from tiny_models import PROMPTS  # noqa: F401 (tests import it from here)
 
@@ -276,3 +276,32 @@ def assert_workers_did_the_work(before: ClusterCounters, after: ClusterCounters,
     return (f"{computed:.0f} tokens x {len(moe_layers)} MoE layers routed, {pairs:.0f} pairs computed by "
             f"{len(after.workers)} workers on {kernel_backend!r}, as the plugin sent them over {plane}")
 
+
+
+TIE_MARGIN = 1e-3  # float32, as the parity tests: a token may differ only where the top-2 margin is at most this
+
+
+def start_attention(processes: Processes, name: str, model: Path, workers: Workers, *args: str) -> tuple[str, OpenAI, str]:
+    """`python -m attention_server` (eager) on `workers`; returns its URL, a client and the model id."""
+    (http,) = free_ports(1)
+    attention = processes.start(name, python_module(
+        "attention_server", "--model", str(model), "--expert-endpoints", ",".join(workers.endpoints), *workers.tls_flags,
+        "--host", HOST, "--port", str(http), *VLLM_CPU_ARGS, "--enforce-eager", *args))  # fmt: skip
+    base_url = f"http://{HOST}:{http}"
+    wait_http_ready(base_url, [attention], timeout_s=900)
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return base_url, client, client.models.list().data[0].id
+
+
+def compare(reference: list[Generation], answers: dict[int, list[int]], num_tokens: int) -> list[str]:
+    """Client i asked prompt i mod 8: its tokens are the reference run's, but where that run's
+    top-2 margin was a tie. Returns the divergences (ties)."""
+    report = []
+    for i, tokens in sorted(answers.items()):
+        want = reference[i % len(PROMPTS)]
+        assert len(tokens) == num_tokens, f"client {i} got {len(tokens)} tokens"
+        diverged = next((j for j, (a, b) in enumerate(zip(want.tokens, tokens)) if a != b), None)
+        if diverged is not None:
+            report.append(f"client {i} diverges at {diverged}, reference margin {want.margins[diverged]:.2e}")
+            assert want.margins[diverged] <= TIE_MARGIN, report
+    return report

@@ -18,44 +18,13 @@ import urllib.request
 
 import openai
 import pytest
-from openai import OpenAI
 
-from cluster.launcher import wait_http_ready
-from tests.support import (
-    HOST, PROMPTS, VLLM_CPU_ARGS, Generation, free_ports, generate, python_module, scrape, start_workers, token_id,
-    total,
-)  # fmt: skip
+from tests.support import PROMPTS, compare, generate, scrape, start_attention, start_workers, token_id, total
 
 pytestmark = pytest.mark.vllm
 
 NUM_WORKERS = 8
 STREAM_TOKENS = 96
-TIE_MARGIN = 1e-3  # float32, as the parity tests: a token may differ only where the top-2 margin is at most this
-
-
-def start_attention(processes, name: str, model, workers, *args: str) -> tuple[str, OpenAI, str]:
-    (http,) = free_ports(1)
-    attention = processes.start(name, python_module(
-        "attention_server", "--model", str(model), "--expert-endpoints", ",".join(workers.endpoints), *workers.tls_flags,
-        "--host", HOST, "--port", str(http), *VLLM_CPU_ARGS, "--enforce-eager", *args))  # fmt: skip
-    base_url = f"http://{HOST}:{http}"
-    wait_http_ready(base_url, [attention], timeout_s=900)
-    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-    return base_url, client, client.models.list().data[0].id
-
-
-def compare(reference: list[Generation], answers: dict[int, list[int]]) -> list[str]:
-    """Client i asked prompt i mod 8: its tokens are the fault-free run's, but where that run's
-    top-2 margin was a tie. Returns the divergences (ties)."""
-    report = []
-    for i, tokens in sorted(answers.items()):
-        want = reference[i % len(PROMPTS)]
-        assert len(tokens) == STREAM_TOKENS, f"client {i} got {len(tokens)} tokens"
-        diverged = next((j for j, (a, b) in enumerate(zip(want.tokens, tokens)) if a != b), None)
-        if diverged is not None:
-            report.append(f"client {i} diverges at {diverged}, fault-free margin {want.margins[diverged]:.2e}")
-            assert want.margins[diverged] <= TIE_MARGIN, report
-    return report
 
 
 def test_killed_workers_fail_over_to_replicas_under_streaming_load(model_dir, processes):
@@ -110,7 +79,7 @@ def test_killed_workers_fail_over_to_replicas_under_streaming_load(model_dir, pr
     assert stall < 5, f"the hung worker cost {stall:.1f} s: more than one adaptive deadline (1 s here, timeout 60 s)"
     os.kill(workers.process(1).pid, signal.SIGCONT)
 
-    report = compare(reference, answers)
+    report = compare(reference, answers, STREAM_TOKENS)
     samples = scrape(f"{base_url}/metrics")
     assert total(samples, "hetero_moe_transport_worker_up", worker="3") == 0
     assert total(samples, "hetero_moe_transport_failovers_total") > 0
@@ -125,7 +94,7 @@ def test_killed_workers_fail_over_to_replicas_under_streaming_load(model_dir, pr
         assert time.monotonic() < deadline, "the restarted and the resumed workers rejoin within 60 s"
         time.sleep(0.2)
     before = [total(scrape(workers.metrics_urls[w]), "hetero_moe_worker_requests_total", status="OK") for w in (1, 3, 6)]
-    again = compare(reference, {i: g.tokens for i, g in enumerate(generate(base_url, STREAM_TOKENS))})
+    again = compare(reference, {i: g.tokens for i, g in enumerate(generate(base_url, STREAM_TOKENS))}, STREAM_TOKENS)
     after = [total(scrape(workers.metrics_urls[w]), "hetero_moe_worker_requests_total", status="OK") for w in (1, 3, 6)]
     assert all(b > a for a, b in zip(before, after)), f"workers 1, 3, 6 computed {before} -> {after}: not all again"
     samples = scrape(f"{base_url}/metrics")

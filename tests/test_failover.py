@@ -59,7 +59,7 @@ def connect(workers, ckpt, plane: str = "auto", replicas: int = 2, timeout_s: fl
             loss_timeout_s: float = 30) -> ExpertTransport:  # fmt: skip
     cfg = AttentionConfig(tuple(workers.endpoints), timeout_s, plane, expert_replicas=replicas,
                           worker_loss_timeout_s=loss_timeout_s, tls_dir=workers.tls_dir)  # fmt: skip
-    return factory.connect_workers(cfg, ckpt)
+    return factory.connect_workers(cfg, ckpt)[0]
 
 
 def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:

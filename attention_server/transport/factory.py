@@ -69,11 +69,11 @@ def open_channel(worker: int, endpoint: str, info: pb.InfoResponse, plane: str, 
     return GrpcStreamChannel(worker, endpoint, timeout_s, security)
 
 
-def connect_workers(cfg: AttentionConfig, ckpt: MoeCheckpoint) -> ExpertTransport:
+def connect_workers(cfg: AttentionConfig, ckpt: MoeCheckpoint) -> tuple[ExpertTransport, list[pb.InfoResponse]]:
     """The attention node's transport: a channel to every worker of `cfg`, failover to replicas,
     and a Rejoiner that puts lost workers back once they serve their shards again. Every worker's
     Info is checked here too (`python -m attention_server` did before vLLM started; a plugin turned
-    on by the environment alone did not)."""
+    on by the environment alone did not); the Infos come back with the transport."""
     security = cfg.security()
     infos, placement = check_workers(cfg.expert_endpoints, ckpt, cfg.request_timeout_s, security, cfg.expert_replicas)
 
@@ -91,7 +91,7 @@ def connect_workers(cfg: AttentionConfig, ckpt: MoeCheckpoint) -> ExpertTranspor
     for channel in transport.channels:
         metrics.TRANSPORT_PLANE.labels(str(channel.worker), channel.plane).set(1)
         metrics.WORKER_UP.labels(str(channel.worker)).set(1)
-    return transport
+    return transport, infos
 
 
 def connect(endpoints: tuple[str, ...], infos: list[pb.InfoResponse], plane: str, timeout_s: float,
