@@ -10,7 +10,7 @@ GRPCIO_TOOLS := grpcio-tools==1.66.2
 # imports; every install of the project's extras pulls them back in, so each one drops them.
 DROP_CUDA_EXTRAS = $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 
-.PHONY: venv up down test protos model hipcc prometheus docker-engine images bench-kernel bench-memory bench-transport bench-pingpong bench-tls bench-replicas bench-load soak clean
+.PHONY: venv up down test protos model hipcc prometheus docker-engine images bench-kernel bench-memory bench-transport bench-pingpong bench-tls bench-replicas bench-load bench-placement soak clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -85,6 +85,9 @@ bench-tls: venv $(VENV)/.bench
 # The expert load window on and off, the same decode steps in one run, and the accounting alone.
 bench-load: venv $(VENV)/.bench
 	$(PY) -m benchmarks.bench_load --out results/bench_load.json $(ARGS)
+
+bench-placement: venv $(VENV)/.bench
+	$(PY) -m benchmarks.bench_placement --out results/bench_placement.json $(ARGS)
 
 bench-replicas: venv $(VENV)/.bench
 	$(PY) -m benchmarks.bench_replicas --out results/bench_replicas.json $(ARGS)

@@ -29,6 +29,7 @@ creates no parameters and the loader skips their tensors.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -96,9 +97,10 @@ class ExpertPool:
         self.counts.publish()
         if self.load is not None and self.load.advance():
             view = self.load.view()
-            metrics.publish_load(view)
             if self.hot is not None:
                 self.hot.offer(view)
+                view = dataclasses.replace(view, hot=self.hot.current().experts)
+            metrics.publish_load(view)
 
     def load_view(self) -> LoadView | None:
         """The expert load window as of now, None when it is off; the gauges show the same."""
@@ -106,6 +108,8 @@ class ExpertPool:
             return None
         self.load.advance()
         view = self.load.view()
+        if self.hot is not None:
+            view = dataclasses.replace(view, hot=self.hot.current().experts)
         metrics.publish_load(view)
         return view
 

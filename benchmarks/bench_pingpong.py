@@ -197,15 +197,17 @@ class Cluster:
                 self.procs[f"worker-{i}"] = subprocess.Popen(self.spec.worker_command(i) + extra, stdout=f,
                                                              stderr=subprocess.STDOUT, start_new_session=True, env=env)  # fmt: skip
 
-    def start_attention(self, m: int | None) -> str:
+    def start_attention(self, m: int | None, *extra: str, log: str | None = None) -> str:
+        """The attention server with --pingpong-microbatches m and `extra` flags; its log is
+        attention-`log` (default m{m})."""
         self.stop("attention")
         (port,) = free_ports(1)
         flag = "auto" if m is None else str(m)
         cmd = [sys.executable, "-m", "attention_server", "--model", str(self.model), "--expert-endpoints",
                ",".join(self.spec.endpoints), *self.spec.security_args(), "--pingpong-microbatches", flag, "--host", HOST, "--port", str(port),
-               *VLLM_ARGS]  # fmt: skip
+               *extra, *VLLM_ARGS]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")}
-        with (self.logs / f"attention-m{flag}.log").open("wb") as f:
+        with (self.logs / f"attention-{log or 'm' + flag}.log").open("wb") as f:
             self.procs["attention"] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                                        start_new_session=True, env=env)  # fmt: skip
         base_url = f"http://{HOST}:{port}"

@@ -5,7 +5,9 @@ clients stream, and every client gets the tokens of a run with every expert on t
 (float32, the parity tests' tie rule); no request fails."""
 from __future__ import annotations
 
+import json
 import threading
+import urllib.request
 
 import numpy as np
 import openai
@@ -77,6 +79,8 @@ def test_hot_experts_taken_mid_stream_keep_the_tokens(model_dir, processes):
     assert sorted(answers) == list(range(len(clients))), "a request hung"
     report = compare(reference, answers, STREAM_TOKENS)
     after = scrape(f"{base_url}/metrics")
+    with urllib.request.urlopen(f"{base_url}/hetero_moe/expert_load", timeout=60) as r:
+        hot = json.loads(r.read())["hot"]
 
     # Only the streams moved the load, so every epoch taken between the scrapes was taken mid-stream.
     epochs = total(after, "hetero_moe_placement_epoch") - total(before, "hetero_moe_placement_epoch")
@@ -86,6 +90,7 @@ def test_hot_experts_taken_mid_stream_keep_the_tokens(model_dir, processes):
     assert total(after, "hetero_moe_hot_experts") == HOT_PER_LAYER * len(ckpt.moe_layers)
     assert total(after, "hetero_moe_hot_expert_bytes") == budget
     # Experts 2, 9 and 13 take 3 of a token's 4 pairs: the node took the skewed routers' favourites.
+    assert hot == {str(layer): [2, 9, 13] for layer in ckpt.moe_layers}, hot
     assert 0.5 * routed < hot_pairs < routed
     print(f"\n  16 clients x {STREAM_TOKENS} tokens: {epochs:.0f} hot set(s) taken mid-stream, "
           f"{hot_pairs:.0f} of {routed:.0f} routed pairs computed on the attention node; "

@@ -40,9 +40,13 @@ def table(view: LoadView, counts: np.ndarray, span: str) -> str:
              f"with their share of the layer's tokens (each token picks {view.top_k})",
              f"{'layer':>5} {'tokens':>10} {'experts':>8} {'shards':>7}  busiest experts"]  # fmt: skip
     for i, layer in enumerate(view.layers):
-        top = "  ".join(f"{e:>3} {s:4.0%}" for e, s in zip(ids[i], shares[i])) if counts[i].any() else "-"
+        hot = set(view.hot.get(layer, ()))
+        top = ("  ".join(f"{e:>3}{'*' if e in hot else ' '}{s:4.0%}" for e, s in zip(ids[i], shares[i]))
+               if counts[i].any() else "-")  # fmt: skip
         lines.append(f"{layer:>5} {view.tokens(counts)[i]:>10} {balance['expert'][i]:>8.2f} "
                      f"{balance['shard'][i]:>7.2f}  {top}")  # fmt: skip
+    if view.hot:
+        lines.append("* computed on the attention node (hot experts); the shard balance leaves them out")
     return "\n".join(lines)
 
 

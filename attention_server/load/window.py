@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,7 +26,8 @@ class LoadView:
     (vLLM's startup profiling run included).
 
     layers: [L] model layer index of each row; shards: [E] the shard (worker, without replicas)
-    holding each expert; window, total: [L, E] int64.
+    holding each expert; window, total: [L, E] int64; hot: the experts the attention node
+    computes itself now (attention_server/hot.py), by model layer index.
     """
 
     layers: tuple[int, ...]
@@ -36,6 +37,7 @@ class LoadView:
     covered_s: float  # how far back `window` reaches now (less than window_s in the first window)
     window: np.ndarray
     total: np.ndarray
+    hot: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def tokens(self, counts: np.ndarray) -> np.ndarray:
         """[L] tokens each layer routed: every token makes top_k (token, expert) pairs."""
@@ -43,14 +45,26 @@ class LoadView:
 
     def balance(self, counts: np.ndarray, over: str) -> np.ndarray:
         """[L] busiest expert's (or shard's) tokens over the mean; 1 is balanced; NaN for a layer
-        that routed nothing."""
+        that routed nothing. Over shards, the hot experts' tokens are left out: the workers'
+        balance under the current hot set."""
         assert over in BALANCE_OVER, over
         if over == "shard":
             shards = np.asarray(self.shards)
-            counts = np.stack([np.bincount(shards, weights=row, minlength=shards.max() + 1) for row in counts])
+            counts = np.stack([
+                np.bincount(shards, weights=self._cold(layer, row), minlength=shards.max() + 1)
+                for layer, row in zip(self.layers, counts)
+            ])  # fmt: skip
         mean = counts.mean(axis=1)
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(mean > 0, counts.max(axis=1) / mean, np.nan)
+
+    def _cold(self, layer: int, row: np.ndarray) -> np.ndarray:
+        hot = self.hot.get(layer)
+        if not hot:
+            return row
+        row = row.copy()
+        row[list(hot)] = 0
+        return row
 
     def top(self, counts: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         """The n busiest experts of each layer, ties to the lower id: ids [L, n] and the share of
@@ -65,12 +79,14 @@ class LoadView:
             "layers": list(self.layers), "shards": list(self.shards), "top_k": self.top_k,
             "window_s": self.window_s, "covered_s": self.covered_s,
             "window": self.window.tolist(), "total": self.total.tolist(),
+            "hot": {str(layer): list(ids) for layer, ids in self.hot.items()},
         }  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict) -> LoadView:
         return cls(tuple(data["layers"]), tuple(data["shards"]), data["top_k"], data["window_s"], data["covered_s"],
-                   np.asarray(data["window"], dtype=np.int64), np.asarray(data["total"], dtype=np.int64))  # fmt: skip
+                   np.asarray(data["window"], dtype=np.int64), np.asarray(data["total"], dtype=np.int64),
+                   {int(layer): tuple(ids) for layer, ids in data.get("hot", {}).items()})  # fmt: skip
 
 
 class ExpertLoad:

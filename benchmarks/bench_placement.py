@@ -1,0 +1,187 @@
+"""make bench-placement: decode step time and the workers' load balance on the skewed tiny model,
+with every routed expert on the workers (the static placement) and with hot experts on the
+attention node (--hot-expert-bytes), in one run.
+
+    python -m benchmarks.bench_placement [--out FILE] [--batch 16] [--hot-per-layer 3] [--us-per-row 40]
+
+The skewed Qwen3-MoE (tiny_models --preset skewed: its routers send 95–100% of each layer's
+tokens to experts 2, 9 and 13) on 8 workers, loopback, compiled, m = 1 (no ping-pong, so that
+only the placement differs). On this CPU machine the experts cost next to nothing, so the workers
+take their benchmark-only per-row service time (--bench-reply-delay-us-per-row, printed with the
+figures): a worker's reply leaves later by that much per token row it computed, so that the
+worker holding the busiest experts sets each layer's pace as it would on pool B's GPUs.
+
+For each placement the same batch of B requests decodes (bench_pingpong's measurement: decode
+step = (time of N tokens - time of 1) / (N - 1), median of rounds), and the attention node's
+load view (GET /hetero_moe/expert_load) gives the (layer, expert) counts of those requests and
+the hot set: per MoE layer the balance over the 8 workers, max / mean of the pairs each worker
+computed, hot experts left out. The hot run waits for its first hot set (placement epoch 1)
+before measuring. Prints a table, writes JSON and a PNG next to it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import signal
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+import tiny_models
+from benchmarks.bench_pingpong import DECODE_TOKENS, VLLM_ARGS, Cluster, measure, prompt_tokens
+from protos.checkpoint import read_checkpoint
+
+logger = logging.getLogger("bench_placement")
+
+
+@dataclass
+class Placement:
+    name: str
+    hot_expert_bytes: int
+    step_ms: float
+    tokens_per_s: float
+    expert_wait_ms: float
+    streams_tokens_per_s: float
+    streams_failed: int
+    balance: list[float]  # per MoE layer: max / mean pairs over the workers (hot experts left out)
+    hot: dict[str, list[int]]  # MoE layer -> experts on the attention node
+    hot_share: float  # of the measured pairs, those the attention node computed
+    prompt_tokens: int
+    pairs: list[list[int]]  # [L][E] the measured pairs per (MoE layer, expert)
+
+
+def load_view(base_url: str) -> dict:
+    with urllib.request.urlopen(f"{base_url}/hetero_moe/expert_load", timeout=60) as r:
+        return json.loads(r.read())
+
+
+def worker_balance(counts: np.ndarray, shards: np.ndarray, layers: list[int], hot: dict[str, list[int]]) -> list[float]:
+    """Per layer: the busiest worker's pairs over the mean (one shard per worker: no replicas)."""
+    out = []
+    for layer, row in zip(layers, counts):
+        row = row.copy()
+        row[hot.get(str(layer), [])] = 0
+        per_worker = np.bincount(shards, weights=row, minlength=shards.max() + 1)
+        out.append(float(per_worker.max() / per_worker.mean()))
+    return out
+
+
+def wait_for_epoch(base_url: str, timeout_s: float = 120) -> None:
+    """Until the attention node has taken a hot set (hetero_moe_placement_epoch >= 1)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        metrics = urllib.request.urlopen(f"{base_url}/metrics", timeout=30).read().decode()
+        epoch = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("hetero_moe_placement_epoch")]
+        if epoch and max(epoch) >= 1:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"no hot set taken after {timeout_s} s")
+
+
+def run(cluster: Cluster, name: str, hot_bytes: int, batch: int) -> Placement:
+    url = cluster.start_attention(1, "--hot-expert-bytes", str(hot_bytes), "--expert-load-window", "6", log=name)
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    model = client.models.list().data[0].id
+    if hot_bytes:  # traffic, so that the window has a load to choose from
+        client.completions.create(model=model, prompt=["warm"] * batch, max_tokens=DECODE_TOKENS, temperature=0)
+        wait_for_epoch(url)
+    before = load_view(url)
+    point = measure(url, batch, name, 1)
+    after = load_view(url)
+    counts = np.asarray(after["total"]) - np.asarray(before["total"])
+    hot = after["hot"]
+    hot_pairs = sum(counts[i, hot.get(str(layer), [])].sum() for i, layer in enumerate(after["layers"]))
+    return Placement(name, hot_bytes, point.step_ms, point.tokens_per_s, point.expert_wait_ms,
+                     point.streams_tokens_per_s, point.streams_failed,
+                     worker_balance(counts, np.asarray(after["shards"]), after["layers"], hot), hot,
+                     float(hot_pairs / counts.sum()), prompt_tokens(url), counts.tolist())  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_placement", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--out", type=Path, default=Path("results/bench_placement.json"))
+    p.add_argument("--batch", type=int, default=16, help="requests decoding together")
+    p.add_argument("--hot-per-layer", type=int, default=3, help="the hot budget, in experts per MoE layer")
+    p.add_argument("--us-per-row", type=float, default=40.0, help="the workers' service time per token row (µs)")
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    logs = a.out.parent / "bench-placement-logs"
+    logs.mkdir(exist_ok=True)
+    model = tiny_models.make("qwen3_moe", tiny_models.default_model_dir().with_name("tiny-qwen3-moe-skewed"),
+                             preset="skewed")  # fmt: skip
+    ckpt = read_checkpoint(model)
+    expert_bytes = ckpt.expert_bytes // (len(ckpt.moe_layers) * ckpt.num_experts)
+    hot_bytes = a.hot_per_layer * len(ckpt.moe_layers) * expert_bytes
+    cluster = Cluster(model, logs, 8)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    try:
+        cluster.start_workers(0.0, a.us_per_row)
+        points = [run(cluster, "static", 0, a.batch), run(cluster, "hot experts", hot_bytes, a.batch)]
+    finally:
+        cluster.stop()
+    static = points[0]
+    lines = [f"{'placement':12} {'step ms':>8} {'x static':>8} {'tok/s':>7} {'wait ms':>8} {'16 streams tok/s':>16} "
+             f"{'failed':>6} {'hot pairs':>9}  workers' max/mean per MoE layer"]  # fmt: skip
+    for pt in points:
+        lines.append(f"{pt.name:12} {pt.step_ms:8.2f} {pt.step_ms / static.step_ms:8.2f} {pt.tokens_per_s:7.0f} "
+                     f"{pt.expert_wait_ms:8.2f} {pt.streams_tokens_per_s:16.0f} {pt.streams_failed:6d} "
+                     f"{pt.hot_share:9.0%}  {' '.join(f'{b:.2f}' for b in pt.balance)}")  # fmt: skip
+    lines.append(f"hot set: {points[1].hot} ({hot_bytes} bytes, {a.hot_per_layer} experts per layer)")
+    lines.append(f"workers hold each reply {a.us_per_row:.1f} µs per token row (benchmark-only emulation of pool B); "
+                 f"batch {a.batch} requests, prompt {static.prompt_tokens} tokens, {DECODE_TOKENS} tokens decoded each; "
+                 f"{len(ckpt.moe_layers)} MoE layers, 8 workers, m = 1")  # fmt: skip
+    report = "\n".join(lines)
+    print(report)
+    result = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, loopback",
+        "date": time.strftime("%Y-%m-%d"),
+        "model": "tiny qwen3_moe, preset skewed",
+        "batch": a.batch,
+        "decode_tokens": DECODE_TOKENS,
+        "prompt_tokens": static.prompt_tokens,
+        "bench_reply_delay_us_per_row": a.us_per_row,
+        "hot_expert_bytes": hot_bytes,
+        "points": [asdict(pt) for pt in points],
+        "vllm_args": list(VLLM_ARGS),
+    }
+    a.out.write_text(json.dumps(result, indent=2))
+    plot(points, a.out.with_suffix(".png"), ckpt.moe_layers)
+    print(f"\nwrote {a.out} and {a.out.with_suffix('.png')}")
+
+
+def plot(points: list[Placement], path: Path, layers) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar([pt.name for pt in points], [pt.step_ms for pt in points], color=["tab:gray", "tab:orange"])
+    left.set_ylabel("decode step, ms")
+    left.set_title("decode step")
+    width = 0.4
+    for i, pt in enumerate(points):
+        right.bar(np.arange(len(layers)) + (i - 0.5) * width, pt.balance, width, label=pt.name)
+    right.axhline(1.2, color="black", linestyle=":", label="1.2")
+    right.set_xticks(np.arange(len(layers)), [str(layer) for layer in layers])
+    right.set_xlabel("MoE layer")
+    right.set_ylabel("workers' max / mean pairs")
+    right.set_title("load balance over the 8 workers")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
