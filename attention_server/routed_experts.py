@@ -85,7 +85,7 @@ class ExpertPool:
         self.last_layer = -1  # the step's last MoE layer publishes its counts
         self.moe_layers = 0  # RemoteRoutedExperts built on this pool
 
-    def record(self, layer: int, pending: Pending, width: int, itemsize: int, hot_pairs: int) -> None:
+    def record(self, layer: int, pending: Pending, width: int, itemsize: int, hot_pairs: int = 0) -> None:
         """A layer call's dispatch (`pending`: answered; `hot_pairs` computed here), for the counters
         and the load window."""
         self.counts.add(layer, pending.plan, width, itemsize, [call.worker for call in pending.calls], hot_pairs)

@@ -114,7 +114,7 @@ def main() -> None:
     try:
         workers.start_workers()
         cfg = AttentionConfig(tuple(spec.endpoints), data_plane=a.plane, tls_dir=None)
-        pool = ExpertPool(cfg, ckpt)  # waits for the workers' Info
+        pool = ExpertPool(cfg, ckpt, torch.device("cpu"))  # waits for the workers' Info
         load = pool.load
         g = torch.Generator().manual_seed(0)
         times = {mode: [] for mode in MODES}

@@ -7,12 +7,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import openai
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
@@ -305,3 +307,41 @@ def compare(reference: list[Generation], answers: dict[int, list[int]], num_toke
             report.append(f"client {i} diverges at {diverged}, reference margin {want.margins[diverged]:.2e}")
             assert want.margins[diverged] <= TIE_MARGIN, report
     return report
+
+
+class GreedyStreams:
+    """2 x len(PROMPTS) clients streaming `num_tokens` greedy tokens at once, client i asking
+    prompt i mod 8 (every prompt twice), with the token ids of what they receive."""
+
+    def __init__(self, client: OpenAI, model_id: str, num_tokens: int):
+        self.client, self.model_id, self.num_tokens = client, model_id, num_tokens
+        self.streamed = 0  # tokens received so far, all clients
+        self.arrivals: list[float] = []  # when each chunk of any client arrived
+        self.answers: dict[int, list[int]] = {}
+        self.failures: list[str] = []
+        self.threads = [threading.Thread(target=self._stream, args=(i,)) for i in range(2 * len(PROMPTS))]
+        for t in self.threads:
+            t.start()
+
+    def _stream(self, i: int) -> None:
+        try:
+            tokens = []
+            for chunk in self.client.completions.create(
+                model=self.model_id, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=self.num_tokens, temperature=0,
+                stream=True, logprobs=1, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+            ):  # fmt: skip
+                if chunk.choices and chunk.choices[0].logprobs:
+                    tokens += [token_id(t) for t in chunk.choices[0].logprobs.tokens]
+                    self.streamed += len(chunk.choices[0].logprobs.tokens)
+                    self.arrivals.append(time.monotonic())
+            self.answers[i] = tokens
+        except openai.APIError as err:
+            self.failures.append(f"client {i}: {err!r}")
+
+    def join(self, timeout_s: float = 600) -> dict[int, list[int]]:
+        """Every client's tokens, once all have finished; no request may fail or hang."""
+        for t in self.threads:
+            t.join(timeout=timeout_s)
+        assert not self.failures, self.failures
+        assert sorted(self.answers) == list(range(len(self.threads))), "a request hung"
+        return self.answers

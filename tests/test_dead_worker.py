@@ -19,7 +19,7 @@ import urllib.request
 import openai
 import pytest
 
-from tests.support import PROMPTS, compare, generate, scrape, start_attention, start_workers, token_id, total
+from tests.support import GreedyStreams, compare, generate, scrape, start_attention, start_workers, total
 
 pytestmark = pytest.mark.vllm
 
@@ -33,48 +33,23 @@ def test_killed_workers_fail_over_to_replicas_under_streaming_load(model_dir, pr
     base_url, client, model_id = start_attention(processes, "failover-attention", model, workers, "--dtype", "float32")
     reference = generate(base_url, STREAM_TOKENS)
 
-    streamed = [0]
-    arrivals: list[float] = []  # when each chunk of any client arrived
-    answers: dict[int, list[int]] = {}
-    failures: list[str] = []
-
-    def stream(i: int) -> None:  # 16 clients: every prompt twice
-        try:
-            tokens = []
-            for chunk in client.completions.create(
-                model=model_id, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=STREAM_TOKENS, temperature=0, stream=True,
-                logprobs=1, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
-            ):  # fmt: skip
-                if chunk.choices and chunk.choices[0].logprobs:
-                    tokens += [token_id(t) for t in chunk.choices[0].logprobs.tokens]
-                    streamed[0] += len(chunk.choices[0].logprobs.tokens)
-                    arrivals.append(time.monotonic())
-            answers[i] = tokens
-        except openai.APIError as err:
-            failures.append(f"client {i}: {err!r}")
-
-    clients = [threading.Thread(target=stream, args=(i,)) for i in range(2 * len(PROMPTS))]
-    for c in clients:
-        c.start()
+    streams = GreedyStreams(client, model_id, STREAM_TOKENS)
     kills = []
     # Worker 3 holds shards 2 and 3, worker 6 shards 5 and 6, worker 1 shards 0 and 1: every
     # shard keeps a replica. Worker 1 hangs (SIGSTOP) once the deadlines follow the latency.
     for victim, after in ((3, 0.25), (6, 0.5), (1, 0.75)):
         deadline = time.monotonic() + 300
-        while streamed[0] < after * len(clients) * STREAM_TOKENS and time.monotonic() < deadline:
+        while streams.streamed < after * len(streams.threads) * STREAM_TOKENS and time.monotonic() < deadline:
             time.sleep(0.01)
         if victim == 1:
             os.kill(workers.process(1).pid, signal.SIGSTOP)
             hung_at = time.monotonic()
-            kills.append(f"worker 1 stopped at {streamed[0]}")
+            kills.append(f"worker 1 stopped at {streams.streamed}")
         else:
             workers.kill(victim)
-            kills.append(f"worker {victim} killed at {streamed[0]} streamed tokens")
-    for c in clients:
-        c.join(timeout=600)
-    assert not failures, failures
-    assert sorted(answers) == list(range(len(clients))), "a request hung"
-    after_hang = [t for t in sorted(arrivals) if t >= hung_at]
+            kills.append(f"worker {victim} killed at {streams.streamed} streamed tokens")
+    answers = streams.join()
+    after_hang = [t for t in sorted(streams.arrivals) if t >= hung_at]
     stall = max(b - a for a, b in zip(after_hang, after_hang[1:]))
     assert stall < 5, f"the hung worker cost {stall:.1f} s: more than one adaptive deadline (1 s here, timeout 60 s)"
     os.kill(workers.process(1).pid, signal.SIGCONT)

@@ -6,17 +6,15 @@ clients stream, and every client gets the tokens of a run with every expert on t
 from __future__ import annotations
 
 import json
-import threading
 import urllib.request
 
 import numpy as np
-import openai
 import pytest
 
 from attention_server.config import bytes_flag
 from attention_server.hot import choose
 from protos.checkpoint import read_checkpoint
-from tests.support import PROMPTS, compare, generate, scrape, start_attention, start_workers, token_id, total
+from tests.support import GreedyStreams, compare, generate, scrape, start_attention, start_workers, total
 
 NUM_WORKERS = 8
 STREAM_TOKENS = 64
@@ -54,29 +52,7 @@ def test_hot_experts_taken_mid_stream_keep_the_tokens(model_dir, processes):
         "--expert-load-window", "1.2",  # a new bucket every 0.1 s: the set follows the load at once
     )  # fmt: skip
     before = scrape(f"{base_url}/metrics")
-    answers: dict[int, list[int]] = {}
-    failures: list[str] = []
-
-    def stream(i: int) -> None:  # 16 clients: every prompt twice
-        try:
-            tokens = []
-            for chunk in client.completions.create(
-                model=model_id, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=STREAM_TOKENS, temperature=0, stream=True,
-                logprobs=1, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
-            ):  # fmt: skip
-                if chunk.choices and chunk.choices[0].logprobs:
-                    tokens += [token_id(t) for t in chunk.choices[0].logprobs.tokens]
-            answers[i] = tokens
-        except openai.APIError as err:
-            failures.append(f"client {i}: {err!r}")
-
-    clients = [threading.Thread(target=stream, args=(i,)) for i in range(2 * len(PROMPTS))]
-    for c in clients:
-        c.start()
-    for c in clients:
-        c.join(timeout=600)
-    assert not failures, failures
-    assert sorted(answers) == list(range(len(clients))), "a request hung"
+    answers = GreedyStreams(client, model_id, STREAM_TOKENS).join()
     report = compare(reference, answers, STREAM_TOKENS)
     after = scrape(f"{base_url}/metrics")
     with urllib.request.urlopen(f"{base_url}/hetero_moe/expert_load", timeout=60) as r:
