@@ -1,6 +1,6 @@
 """make bench-pingpong: decode step time and throughput with m = 1, 2, 3, 4 and auto micro-batches in ping-pong.
 
-    python -m benchmarks.bench_pingpong [--out FILE] [--batch 16] [--workers 8] [--microbatches 1,2,3,4,auto]
+    python -m benchmarks.bench_pingpong [--out FILE] [--batch 128] [--workers 8] [--microbatches 1,2,3,4,auto]
 
 The cluster on the embedded tiny model (4 MoE layers, compiled), loopback only; a batch of B
 requests with a long prompt (so that attention is a real part of the attention node's time)
@@ -10,10 +10,10 @@ reply leaves that much later while the worker takes the next request; printed wi
 A first run without delays measures the attention node's busy time per MoE layer (a) and the
 remote time this machine adds by itself (own: transport and the workers' CPU). Two regimes:
 
-- expert ≈ attention: a per-row delay meant to bring the whole batch's remote time to a (a
+- expert ≈ attention: a per-row delay that brings the busiest worker's remote time to a (a
   micro-batch's experts then cost what its attention costs: the ideal m = 2 step is about half of
-  m = 1's); the busiest worker holds more rows than the average this calibrates on, so it lands
-  above a, as the wait at m = 1 shows;
+  m = 1's). The batch's requests share one prompt, so they decode the same greedy tokens and
+  route alike: the workers of a layer's top-k experts each get every row of the micro-batch;
 - transport-heavy: that, plus a fixed delay per Forward of twice a (a slow link), where more
   micro-batches keep paying off.
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import platform
 import signal
@@ -237,7 +236,7 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_pingpong", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("results/bench_pingpong.json"))
-    p.add_argument("--batch", type=int, default=16, help="requests decoding together")
+    p.add_argument("--batch", type=int, default=128, help="requests decoding together (enough for attention to be a real part of a step)")
     p.add_argument("--microbatches", default="1,2,3,4,auto")
     p.add_argument("--workers", type=int, default=8, help="expert workers (each costs this machine CPU per request)")
     a = p.parse_args()
@@ -250,9 +249,6 @@ def main() -> None:
     model = tiny_models.make("qwen3_moe", tiny_models.default_model_dir())
     ckpt = read_checkpoint(model)
     layers = len(ckpt.moe_layers)
-    # The share of a batch's tokens that reach one worker (E / W experts of E, top-k): its rows.
-    rows_share = 1 - math.comb(ckpt.num_experts - ckpt.num_experts // a.workers, ckpt.top_k) / math.comb(
-        ckpt.num_experts, ckpt.top_k)
     cluster = Cluster(model, logs, a.workers)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     points: list[Point] = []
@@ -268,8 +264,8 @@ def main() -> None:
         attention_ms = (calib.forward_ms - calib.expert_wait_ms) / layers
         own_remote_ms = calib.expert_wait_ms / layers
         # Expert time = attention time: the per-row part makes up what the machine's own remote time
-        # leaves, over the rows a worker gets.
-        per_row_us = 1e3 * max(0.0, attention_ms - own_remote_ms) / (rows_share * a.batch)
+        # leaves, over the rows the busiest worker gets (all of them: the requests route alike).
+        per_row_us = 1e3 * max(0.0, attention_ms - own_remote_ms) / a.batch
         if not per_row_us:
             logger.warning("the remote time of this machine (%.2f ms per layer) already exceeds attention's (%.2f)",
                            own_remote_ms, attention_ms)  # fmt: skip
