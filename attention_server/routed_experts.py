@@ -78,6 +78,7 @@ class ExpertPool:
         self.hot_shard = len(cfg.expert_endpoints)  # hot experts' slices: computed here, added last
         self.hot = (HotExperts(ckpt, self.shards, self.hot_shard, cfg.hot_expert_bytes, WorkerFormat.of(infos), device)
                     if cfg.hot_expert_bytes else None)  # fmt: skip
+        metrics.publish_hot(0, 0, 0)  # the gauges exist, at 0, from the start (and with hot experts off)
         self.counts = metrics.DispatchCounts(len(cfg.expert_endpoints))
         self.load = (ExpertLoad(ckpt.moe_layers, self.shards, ckpt.top_k, cfg.expert_load_window_s)
                      if cfg.expert_load_window_s else None)  # fmt: skip
