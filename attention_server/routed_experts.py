@@ -97,17 +97,19 @@ class ExpertPool:
         """After the step's last MoE layer (of each micro-batch)."""
         self.counts.publish()
         if self.load is not None and self.load.advance():
-            view = self.load.view()
             if self.hot is not None:
-                self.hot.offer(view)
-                view = dataclasses.replace(view, hot=self.hot.current().experts)
-            metrics.publish_load(view)
+                self.hot.offer(self.load.view())
+            self._publish_view()
 
     def load_view(self) -> LoadView | None:
         """The expert load window as of now, None when it is off; the gauges show the same."""
         if self.load is None:
             return None
         self.load.advance()
+        return self._publish_view()
+
+    def _publish_view(self) -> LoadView:
+        """The window as of now, with the current hot set, set on the gauges."""
         view = self.load.view()
         if self.hot is not None:
             view = dataclasses.replace(view, hot=self.hot.current().experts)
@@ -195,13 +197,10 @@ class RemoteRoutedExperts(RoutedExperts):
     def send(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
         micro_batch = dbo_current_ubatch_id()
         hot = self.pool.hot.current() if self.pool.hot is not None else None
-        if hot is None or self.layer_index not in hot.experts:
-            plan = partition(topk_ids, topk_weights, self.pool.shards)
-        else:
-            plan = partition(topk_ids, topk_weights, hot.table(self.layer_index, self.pool.shards))
-            if plan.slices and plan.slices[-1].shard == self.pool.hot_shard:
-                self.hot_calls[micro_batch] = (hot, plan)
-                plan = DispatchPlan(plan.num_tokens, plan.slices[:-1], plan.expert_pairs)
+        plan = partition(topk_ids, topk_weights, hot.table(self.layer_index, self.pool.shards) if hot else self.pool.shards)
+        if plan.slices and plan.slices[-1].shard == self.pool.hot_shard:
+            self.hot_calls[micro_batch] = (hot, plan)
+            plan = DispatchPlan(plan.num_tokens, plan.slices[:-1], plan.expert_pairs)
         self.pool.transport.send(self.layer_index, micro_batch, x, plan)
 
     def receive(self, x: torch.Tensor) -> torch.Tensor:
