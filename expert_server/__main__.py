@@ -4,12 +4,15 @@
 Loads shard i of every MoE layer (experts [i*E/W, (i+1)*E/W)) and, with R > 1,
 the R-1 shards before it round the ring (protos/placement.py), and serves them
 over gRPC (grpc.aio on uvloop), with the standard health service and reflection.
+A Place RPC adds experts beside the shards while it serves (re-placement,
+expert_server/extras.py), loaded with the same flags as the shards.
 With --tls-dir, gRPC and the TCP data plane take only clients holding a certificate of the
 cluster's CA, and every call must carry the cluster token (protos/security.py).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import os
@@ -25,12 +28,13 @@ from grpc_reflection.v1alpha import reflection
 from expert_server import metrics
 from expert_server.config import WorkerConfig
 from expert_server.experts import HeldShard, LocalExperts
+from expert_server.extras import ExtraExperts
 from expert_server.servicer import ExpertServicer
 from expert_server.transport.handler import ExpertHandler
 from expert_server.transport.base import ReplyDelayConfig
 from expert_server.transport.shm import ShmPlane
 from expert_server.transport.tcp import TcpPlane
-from expert_server.weights import free_memory_per_worker, load_shard
+from expert_server.weights import free_memory_per_worker, load_experts, load_shard, loaded_expert_bytes
 from protos import GRPC_OPTIONS
 from protos import expert_pb2 as pb
 from kernels.formats import FormatMismatch, UnsupportedQuantization
@@ -78,6 +82,10 @@ async def serve(cfg: WorkerConfig) -> None:
     held = ", ".join(f"[{start}, {end})" for start, end in experts.ranges)
     delay = ReplyDelayConfig(cfg.bench_reply_delay_ms / 1e3, cfg.bench_reply_delay_us_per_row / 1e6)
     handler = ExpertHandler(experts, delay)
+    load = functools.partial(load_experts, ckpt, device=device, weight_format=cfg.weight_format,
+                             kernel_backend=cfg.kernel_backend, group_size=cfg.group_size)  # fmt: skip
+    extras = ExtraExperts(experts, load, handler.hold,
+                          loaded_expert_bytes(ckpt, experts.load_format, experts.group_size))  # fmt: skip
     metrics.BENCH_REPLY_DELAY.labels("fixed").set(delay.fixed_s)
     metrics.BENCH_REPLY_DELAY.labels("per_row").set(delay.per_row_s)
     if delay:
@@ -88,7 +96,8 @@ async def serve(cfg: WorkerConfig) -> None:
         planes.append(TcpPlane(handler, cfg.host, cfg.data_port, security))
     if "shm" in cfg.data_planes:
         planes.append(ShmPlane(handler, security))
-    servicer = ExpertServicer(handler, cfg.worker_index, cfg.num_workers, replicas, [p.advertise() for p in planes])
+    servicer = ExpertServicer(handler, extras, cfg.worker_index, cfg.num_workers, replicas,
+                              [p.advertise() for p in planes])  # fmt: skip
     metrics.SHARD.info({
         "worker": str(cfg.worker_index),
         "experts": held,

@@ -1,12 +1,31 @@
-"""This worker's experts, validated requests in, float32 partials out."""
+"""This worker's experts, validated requests in, float32 partials out.
+
+A worker holds its static shards (protos/placement.py) and, after a Place, extra experts beside
+them (expert_server/extras.py), each extra its own PreparedExperts. Every held set is a range of
+expert ids (a shard's, or one extra's), and per MoE layer a table says which set computes each:
+
+    sets:   shard 0 .. shard S-1 (ascending), then the extras of the current and previous epoch
+            (ascending expert id)
+    set_of: [E] int64 index into sets, -1 for an expert not held
+    offset: [sets] int64 the first expert id of each set: an expert's index in its set is id - offset
+
+    request (layer, pairs) --set_of[experts]--> pairs grouped by set, in set order
+        --each set's PreparedExperts--> [T, H] float32 partial per set --summed in set order--> partial
+
+Sets being ranges, a request whose lowest and highest expert lie in one set lies in it whole: the
+common case (every request of a static placement) costs two lookups and one call, as before
+extras existed, and gives the same bits.
+"""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from expert_server.weights import LoadedShard
+from kernels.backends.base import PreparedExperts
 from protos.checkpoint import MoeCheckpoint
 
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -17,21 +36,29 @@ class RequestError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class ExpertBatch:
-    """One validated Forward request.
+class PairGroup:
+    """The pairs of a request that one held set computes.
 
-    hidden:       [T, H] float
-    pair_rows:    [P] int64 in [0, T)
-    pair_experts: [P] int64 expert index within the shard
-    pair_weights: [P] float32
+    pair_rows:    [P_g] int64 in [0, T)
+    pair_experts: [P_g] int64 expert index within the set
+    pair_weights: [P_g] float32
     """
 
-    layer: int
-    shard: int  # index into LocalExperts.shards
-    hidden: torch.Tensor
+    experts: PreparedExperts
     pair_rows: torch.Tensor
     pair_experts: torch.Tensor
     pair_weights: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertBatch:
+    """One validated Forward request: hidden [T, H] float, its pairs grouped by held set in the
+    order their partials are summed (static shards ascending, then extras by expert id)."""
+
+    layer: int
+    hidden: torch.Tensor
+    groups: tuple[PairGroup, ...]  # at least one (an empty request computes zeros on its first set)
+    num_pairs: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +70,19 @@ class HeldShard:
     loaded: LoadedShard
 
 
+@dataclass(frozen=True, slots=True)
+class LayerTable:
+    """One MoE layer's held sets and the tables that find an expert's (module docstring)."""
+
+    sets: tuple[PreparedExperts, ...]
+    set_of: np.ndarray  # [E] int64, -1: not held
+    offset: np.ndarray  # [len(sets)] int64
+    extras: tuple[int, ...]  # the extra experts, ascending (sets[S:] in this order)
+
+
 class LocalExperts:
-    """The shards of one checkpoint this worker holds (protos/placement.py); a request computes
-    experts of one of them."""
+    """The shards of one checkpoint this worker holds (protos/placement.py) and the extras a Place
+    added beside them; a request may name any of them."""
 
     def __init__(self, ckpt: MoeCheckpoint, shards: list[HeldShard], device: torch.device):
         assert shards, "a worker holds at least one shard"
@@ -56,10 +93,36 @@ class LocalExperts:
         self.layers = tuple(first.layers)
         self.kernel_backend, self.weight_format = first.kernel_backend, first.weight_format
         self.load_format, self.group_size = first.load_format, first.group_size
+        self._tables = self._build({})
 
     @property
     def ranges(self) -> list[tuple[int, int]]:
         return [(s.start, s.end) for s in self.shards]
+
+    def static(self, expert: int) -> bool:
+        """Whether one of this worker's shards holds `expert`."""
+        return any(s.start <= expert < s.end for s in self.shards)
+
+    def hold(self, extras: Mapping[tuple[int, int], PreparedExperts]) -> None:
+        """Serve exactly these extras beside the shards from the next request on: {(layer, expert):
+        that one expert's PreparedExperts}, none of them in a shard. The caller keeps a computation
+        from running meanwhile (ExpertHandler.hold); a request validated before still computes with
+        the sets it found."""
+        assert not any(self.static(e) for _, e in extras), "an extra expert of a static shard"
+        self._tables = self._build(extras)
+
+    def _build(self, extras: Mapping[tuple[int, int], PreparedExperts]) -> dict[int, LayerTable]:
+        tables = {}
+        for layer in self.layers:
+            set_of = np.full(self.ckpt.num_experts, -1, dtype=np.int64)
+            for i, s in enumerate(self.shards):
+                set_of[s.start : s.end] = i
+            ids = tuple(sorted(e for l, e in extras if l == layer))
+            set_of[list(ids)] = np.arange(len(self.shards), len(self.shards) + len(ids))
+            sets = tuple(s.loaded.layers[layer] for s in self.shards) + tuple(extras[layer, e] for e in ids)
+            offset = np.array([s.start for s in self.shards] + list(ids), dtype=np.int64)
+            tables[layer] = LayerTable(sets, set_of, offset, ids)
+        return tables
 
     def make_batch(
         self,
@@ -70,7 +133,8 @@ class LocalExperts:
         pair_weights: torch.Tensor,
     ) -> ExpertBatch:
         """Check a decoded request against what this worker holds."""
-        if layer not in self.layers:
+        table = self._tables.get(layer)  # one snapshot: a Place switching meanwhile does not split a request
+        if table is None:
             raise RequestError(f"layer {layer} is not a MoE layer of this model (MoE layers: {list(self.layers)})")
         if hidden.dtype not in HIDDEN_DTYPES:
             raise RequestError(f"hidden dtype {hidden.dtype} is not one of {HIDDEN_DTYPES}")
@@ -92,31 +156,54 @@ class LocalExperts:
         # The pair checks run on numpy views, through the ufuncs themselves: per request, torch's
         # dispatch (or numpy's Python wrappers) would cost more than the checks.
         rows, experts = pair_rows.numpy().astype(np.int64), pair_experts.numpy().astype(np.int64)
-        shard, start = 0, self.shards[0].start
+        first = last = 0
         if num_pairs:
             low, high = np.minimum.reduce(rows), np.maximum.reduce(rows)
             if low < 0 or high >= hidden.shape[0]:
                 raise RequestError(f"pair_rows must lie in [0, {hidden.shape[0]}), got [{low}, {high}]")
             low, high = np.minimum.reduce(experts), np.maximum.reduce(experts)
-            shard = next((i for i, s in enumerate(self.shards) if s.start <= low and high < s.end), None)
-            if shard is None:
-                held = ", ".join(f"[{s.start}, {s.end})" for s in self.shards)
-                raise RequestError(f"expert ids [{low}, {high}] are not within one of this worker's shards: {held}")
-            start = self.shards[shard].start
+            if low < 0 or high >= self.ckpt.num_experts:
+                raise RequestError(f"pair_experts must lie in [0, {self.ckpt.num_experts}), got [{low}, {high}]")
+            first, last = table.set_of[low], table.set_of[high]
+            if first != last or first < 0:  # several sets, or an expert not held: per-pair lookup
+                sets = table.set_of.take(experts)  # [P]
+                first, last = np.minimum.reduce(sets), np.maximum.reduce(sets)
+                if first < 0:
+                    raise RequestError(f"layer {layer}: experts {np.unique(experts[sets < 0]).tolist()} are not "
+                                       f"held by this worker; it holds {self.describe(table)}")  # fmt: skip
             keys = rows * self.ckpt.num_experts + experts
             keys.sort()
             if num_pairs > 1 and np.equal(keys[1:], keys[:-1]).any():
                 raise RequestError("a (row, expert) pair appears more than once")
-        return ExpertBatch(
-            layer=layer,
-            shard=shard,
-            hidden=hidden.to(self.device),
-            pair_rows=torch.from_numpy(rows).to(self.device),
-            pair_experts=torch.from_numpy(experts - start).to(self.device),
-            pair_weights=pair_weights.to(self.device),
-        )
+        if first == last:
+            groups = (PairGroup(table.sets[first], torch.from_numpy(rows).to(self.device),
+                                torch.from_numpy(experts - table.offset[first]).to(self.device),
+                                pair_weights.to(self.device)),)  # fmt: skip
+        else:
+            groups = self._grouped(table, sets, rows, experts - table.offset.take(sets), pair_weights.numpy())
+        return ExpertBatch(layer=layer, hidden=hidden.to(self.device), groups=groups, num_pairs=num_pairs)
+
+    def _grouped(self, table: LayerTable, sets: np.ndarray, rows: np.ndarray, local: np.ndarray,
+                 weights: np.ndarray) -> tuple[PairGroup, ...]:  # fmt: skip
+        """The pairs of several sets, one group per set in set order (pairs keep their order within)."""
+        order = np.argsort(sets, kind="stable")
+        starts = np.flatnonzero(np.diff(sets[order])) + 1
+        groups = []
+        for pairs in np.split(order, starts):
+            groups.append(PairGroup(table.sets[sets[pairs[0]]], torch.from_numpy(rows[pairs]).to(self.device),
+                                    torch.from_numpy(local[pairs]).to(self.device),
+                                    torch.from_numpy(weights[pairs]).to(self.device)))  # fmt: skip
+        return tuple(groups)
+
+    def describe(self, table: LayerTable) -> str:
+        shards = ", ".join(f"[{s.start}, {s.end})" for s in self.shards)
+        return f"{shards} and extras {list(table.extras)}" if table.extras else f"{shards} and no extras"
 
     def forward(self, batch: ExpertBatch) -> torch.Tensor:
-        """[T, H] float32 partial: router-weighted sum of the shard's experts per row."""
-        experts = self.shards[batch.shard].loaded.layers[batch.layer]
-        return experts(batch.hidden, batch.pair_rows, batch.pair_experts, batch.pair_weights).cpu()
+        """[T, H] float32 partial: router-weighted sum of the named experts per row, each group on
+        its set's experts; the groups' partials are added in the batch's order, in float32."""
+        first, *rest = batch.groups
+        partial = first.experts(batch.hidden, first.pair_rows, first.pair_experts, first.pair_weights)
+        for g in rest:
+            partial = partial + g.experts(batch.hidden, g.pair_rows, g.pair_experts, g.pair_weights)
+        return partial.cpu()

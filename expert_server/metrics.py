@@ -18,7 +18,18 @@ BENCH_REPLY_DELAY = Gauge(
     "hetero_moe_worker_bench_reply_delay_seconds",
     "Emulated pool-B latency added to every reply, fixed and per row (benchmarks only; else 0)", ["part"],
 )
+PLACES = Counter("hetero_moe_worker_places", "Place RPCs (extra experts re-placed) by final gRPC status", ["status"])
+PLACEMENT_EPOCH = Gauge("hetero_moe_worker_placement_epoch", "The last Place epoch this worker took (0: none)")
+EXTRA_EXPERTS = Gauge("hetero_moe_worker_extra_experts",
+                      "(layer, expert)s held beside the shards, for the current and the previous placement epoch")
+EXTRA_EXPERT_BYTES = Gauge("hetero_moe_worker_extra_expert_bytes", "Weights of those extra experts as loaded")
 SHARD = Info("hetero_moe_worker_shard", "What this worker serves: its index, experts and kernel backend")
+
+
+def publish_placement(epoch: int, extra_experts: int, extra_bytes: int) -> None:
+    PLACEMENT_EPOCH.set(epoch)
+    EXTRA_EXPERTS.set(extra_experts)
+    EXTRA_EXPERT_BYTES.set(extra_bytes)
 
 
 def serve_metrics(host: str, port: int) -> None:

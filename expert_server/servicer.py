@@ -1,27 +1,34 @@
-"""gRPC edge of the worker: Info, the unary protobuf Forward and the raw-bytes frame stream.
+"""gRPC edge of the worker: Info, Place, the unary protobuf Forward and the raw-bytes frame stream.
 
-Every request goes through the shared `ExpertHandler` (validate -> compute -> count), whose
-statuses come from expert_server/status.py; this module only decodes and encodes.
+Every request goes through the shared `ExpertHandler` (validate -> compute -> count), and a Place
+through `ExtraExperts`, whose statuses come from expert_server/status.py; this module only decodes
+and encodes.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from expert_server import metrics
+from expert_server.extras import ExtraExperts
+from expert_server.status import status_for
 from expert_server.transport.handler import ExpertHandler, Refused
 from protos import PROTOCOL_VERSION, codec, frames
 from protos import expert_pb2 as pb
 from protos.frames import HEADER, Header
 
+logger = logging.getLogger(__name__)
+
 
 class ExpertServicer:
-    def __init__(self, handler: ExpertHandler, worker_index: int, num_workers: int, expert_replicas: int,
-                 data_planes: list[pb.DataPlane]):  # fmt: skip
-        self.handler = handler
+    def __init__(self, handler: ExpertHandler, extras: ExtraExperts, worker_index: int, num_workers: int,
+                 expert_replicas: int, data_planes: list[pb.DataPlane]):  # fmt: skip
+        self.handler, self.extras = handler, extras
         experts = handler.experts
         ckpt = experts.ckpt
         self.info = pb.InfoResponse(
@@ -47,9 +54,29 @@ class ExpertServicer:
         # One gRPC compute thread: requests run in arrival order and the event loop
         # stays free for health checks while torch works.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="experts", initializer=handler.enter_thread)
+        # Places run one at a time in a thread of their own: loading neither waits for the compute
+        # thread nor holds it up.
+        self._place = ThreadPoolExecutor(max_workers=1, thread_name_prefix="place", initializer=handler.enter_thread)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
-        return self.info
+        info = pb.InfoResponse()
+        info.CopyFrom(self.info)
+        info.placement_epoch = self.extras.epoch
+        return info
+
+    async def Place(self, request: pb.PlaceRequest, context: grpc.aio.ServicerContext) -> pb.PlaceResponse:
+        try:
+            response = await asyncio.get_running_loop().run_in_executor(self._place, self.extras.place, request)
+        except Exception as exc:  # mapped to a status; the worker keeps serving what it held
+            code = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                logger.exception("Place of epoch %d failed", request.epoch)
+            else:
+                logger.warning("Place of epoch %d refused: %s", request.epoch, exc)
+            metrics.PLACES.labels(code.name).inc()
+            await context.abort(code, f"{type(exc).__name__}: {exc}")
+        metrics.PLACES.labels(grpc.StatusCode.OK.name).inc()
+        return response
 
     async def Forward(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ForwardResponse:
         """The unary protobuf Forward; parsed here so that a request that does not parse is an
@@ -105,6 +132,9 @@ class ExpertServicer:
                 self.Forward, response_serializer=pb.ForwardResponse.SerializeToString),
             "Echo": grpc.unary_unary_rpc_method_handler(
                 self.Echo, request_deserializer=pb.Tensor.FromString, response_serializer=pb.Tensor.SerializeToString),
+            "Place": grpc.unary_unary_rpc_method_handler(
+                self.Place, request_deserializer=pb.PlaceRequest.FromString,
+                response_serializer=pb.PlaceResponse.SerializeToString),
         }  # fmt: skip
         frame_stream = {"Forward": grpc.stream_stream_rpc_method_handler(self.forward_frames)}
         return (grpc.method_handlers_generic_handler(service, expert_service),
@@ -112,3 +142,4 @@ class ExpertServicer:
 
     def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)
+        self._place.shutdown(wait=False, cancel_futures=True)

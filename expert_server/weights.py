@@ -97,6 +97,16 @@ def load_experts(
                        else "checkpoint", group_size if quantized_on_load else 0)  # fmt: skip
 
 
+def loaded_expert_bytes(ckpt: MoeCheckpoint, load_format: str, group_size: int) -> int:
+    """One routed expert's weights as loaded: as stored, or int4 plus a 16-bit scale per group (the
+    unit of the attention node's --hot-expert-bytes and --spare-expert-bytes budgets)."""
+    stored = ckpt.expert_bytes // (len(ckpt.moe_layers) * ckpt.num_experts)
+    if load_format == "checkpoint":
+        return stored
+    weights = stored // ckpt.dtype.itemsize  # 16-bit elements
+    return weights // 2 + weights // group_size * 2
+
+
 def _describe(experts: dict[int, Sequence[int]]) -> str:
     ids = next(iter(experts.values()))
     if isinstance(ids, range) and all(e == ids for e in experts.values()):

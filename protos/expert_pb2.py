@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/expert.proto\x12\x14hetero_moe.expert.v2\"Q\n\x06Tensor\x12*\n\x05\x64type\x18\x01 \x01(\x0e\x32\x1b.hetero_moe.expert.v2.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\r\n\x0bInfoRequest\")\n\x0b\x45xpertRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"\x87\x04\n\x0cInfoResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x19\n\x11num_hidden_layers\x18\x04 \x01(\r\x12\x12\n\nmoe_layers\x18\x05 \x03(\r\x12\x13\n\x0bnum_experts\x18\x06 \x01(\r\x12\x13\n\x0bhidden_size\x18\x07 \x01(\r\x12\x14\n\x0cworker_index\x18\x08 \x01(\r\x12\x13\n\x0bnum_workers\x18\t \x01(\r\x12\x38\n\rexpert_ranges\x18\n \x03(\x0b\x32!.hetero_moe.expert.v2.ExpertRange\x12\x35\n\x10\x61\x63tivation_dtype\x18\x0b \x01(\x0e\x32\x1b.hetero_moe.expert.v2.DType\x12\x15\n\rweight_format\x18\x0c \x01(\t\x12\x16\n\x0ekernel_backend\x18\r \x01(\t\x12\x12\n\nactivation\x18\x0e \x01(\t\x12\x34\n\x0b\x64\x61ta_planes\x18\x0f \x03(\x0b\x32\x1f.hetero_moe.expert.v2.DataPlane\x12\x17\n\x0f\x65xpert_replicas\x18\x10 \x01(\r\x12\x13\n\x0bload_format\x18\x11 \x01(\t\x12\x12\n\ngroup_size\x18\x12 \x01(\r\"I\n\tDataPlane\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07host_id\x18\x04 \x01(\t\"\xe6\x01\n\x0e\x46orwardRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12,\n\x06hidden\x18\x02 \x01(\x0b\x32\x1c.hetero_moe.expert.v2.Tensor\x12/\n\tpair_rows\x18\x03 \x01(\x0b\x32\x1c.hetero_moe.expert.v2.Tensor\x12\x32\n\x0cpair_experts\x18\x04 \x01(\x0b\x32\x1c.hetero_moe.expert.v2.Tensor\x12\x32\n\x0cpair_weights\x18\x05 \x01(\x0b\x32\x1c.hetero_moe.expert.v2.Tensor\"@\n\x0f\x46orwardResponse\x12-\n\x07partial\x18\x01 \x01(\x0b\x32\x1c.hetero_moe.expert.v2.Tensor*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05INT64\x10\x06\x32\xfa\x01\n\rExpertService\x12M\n\x04Info\x12!.hetero_moe.expert.v2.InfoRequest\x1a\".hetero_moe.expert.v2.InfoResponse\x12V\n\x07\x46orward\x12$.hetero_moe.expert.v2.ForwardRequest\x1a%.hetero_moe.expert.v2.ForwardResponse\x12\x42\n\x04\x45\x63ho\x12\x1c.hetero_moe.expert.v2.Tensor\x1a\x1c.hetero_moe.expert.v2.Tensorb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/expert.proto\x12\x14hetero_moe.expert.v2\"Q\n\x06Tensor\x12*\n\x05\x64type\x18\x01 \x01(\x0e\x32\x1b.hetero_moe.expert.v2.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\r\n\x0bInfoRequest\")\n\x0b\x45xpertRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"\xa0\x04\n\x0cInfoResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x19\n\x11num_hidden_layers\x18\x04 \x01(\r\x12\x12\n\nmoe_layers\x18\x05 \x03(\r\x12\x13\n\x0bnum_experts\x18\x06 \x01(\r\x12\x13\n\x0bhidden_size\x18\x07 \x01(\r\x12\x14\n\x0cworker_index\x18\x08 \x01(\r\x12\x13\n\x0bnum_workers\x18\t \x01(\r\x12\x38\n\rexpert_ranges\x18\n \x03(\x0b\x32!.hetero_moe.expert.v2.ExpertRange\x12\x35\n\x10\x61\x63tivation_dtype\x18\x0b \x01(\x0e\x32\x1b.hetero_moe.expert.v2.DType\x12\x15\n\rweight_format\x18\x0c \x01(\t\x12\x16\n\x0ekernel_backend\x18\r \x01(\t\x12\x12\n\nactivation\x18\x0e \x01(\t\x12\x34\n\x0b\x64\x61ta_planes\x18\x0f \x03(\x0b\x32\x1f.hetero_moe.expert.v2.DataPlane\x12\x17\n\x0f\x65xpert_replicas\x18\x10 \x01(\r\x12\x13\n\x0bload_format\x18\x11 \x01(\t\x12\x12\n\ngroup_size\x18\x12 \x01(\r\x12\x17\n\x0fplacement_epoch\x18\x13 \x01(\x04\"I\n\tDataPlane\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07host_id\x18\x04 \x01(\t\"\xe6\x01\n\x0e\x46orwardRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12,\n\x06hidden\x18\x02 \x01(\x0b\x32\x1c.hetero_moe.expert.v2.Tensor\x12/\n\tpair_rows\x18\x03 \x01(\x0b\x32\x1c.hetero_moe.expert.v2.Tensor\x12\x32\n\x0cpair_experts\x18\x04 \x01(\x0b\x32\x1c.hetero_moe.expert.v2.Tensor\x12\x32\n\x0cpair_weights\x18\x05 \x01(\x0b\x32\x1c.hetero_moe.expert.v2.Tensor\"@\n\x0f\x46orwardResponse\x12-\n\x07partial\x18\x01 \x01(\x0b\x32\x1c.hetero_moe.expert.v2.Tensor\".\n\x0cLayerExperts\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\r\"Q\n\x0cPlaceRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x32\n\x06layers\x18\x02 \x03(\x0b\x32\".hetero_moe.expert.v2.LayerExperts\"J\n\rPlaceResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x15\n\rextra_experts\x18\x02 \x01(\r\x12\x13\n\x0b\x65xtra_bytes\x18\x03 \x01(\x04*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05INT64\x10\x06\x32\xcc\x02\n\rExpertService\x12M\n\x04Info\x12!.hetero_moe.expert.v2.InfoRequest\x1a\".hetero_moe.expert.v2.InfoResponse\x12V\n\x07\x46orward\x12$.hetero_moe.expert.v2.ForwardRequest\x1a%.hetero_moe.expert.v2.ForwardResponse\x12\x42\n\x04\x45\x63ho\x12\x1c.hetero_moe.expert.v2.Tensor\x1a\x1c.hetero_moe.expert.v2.Tensor\x12P\n\x05Place\x12\".hetero_moe.expert.v2.PlaceRequest\x1a#.hetero_moe.expert.v2.PlaceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.expert_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1082
-  _globals['_DTYPE']._serialized_end=1187
+  _globals['_DTYPE']._serialized_start=1314
+  _globals['_DTYPE']._serialized_end=1419
   _globals['_TENSOR']._serialized_start=45
   _globals['_TENSOR']._serialized_end=126
   _globals['_INFOREQUEST']._serialized_start=128
@@ -40,13 +40,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXPERTRANGE']._serialized_start=143
   _globals['_EXPERTRANGE']._serialized_end=184
   _globals['_INFORESPONSE']._serialized_start=187
-  _globals['_INFORESPONSE']._serialized_end=706
-  _globals['_DATAPLANE']._serialized_start=708
-  _globals['_DATAPLANE']._serialized_end=781
-  _globals['_FORWARDREQUEST']._serialized_start=784
-  _globals['_FORWARDREQUEST']._serialized_end=1014
-  _globals['_FORWARDRESPONSE']._serialized_start=1016
-  _globals['_FORWARDRESPONSE']._serialized_end=1080
-  _globals['_EXPERTSERVICE']._serialized_start=1190
-  _globals['_EXPERTSERVICE']._serialized_end=1440
+  _globals['_INFORESPONSE']._serialized_end=731
+  _globals['_DATAPLANE']._serialized_start=733
+  _globals['_DATAPLANE']._serialized_end=806
+  _globals['_FORWARDREQUEST']._serialized_start=809
+  _globals['_FORWARDREQUEST']._serialized_end=1039
+  _globals['_FORWARDRESPONSE']._serialized_start=1041
+  _globals['_FORWARDRESPONSE']._serialized_end=1105
+  _globals['_LAYEREXPERTS']._serialized_start=1107
+  _globals['_LAYEREXPERTS']._serialized_end=1153
+  _globals['_PLACEREQUEST']._serialized_start=1155
+  _globals['_PLACEREQUEST']._serialized_end=1236
+  _globals['_PLACERESPONSE']._serialized_start=1238
+  _globals['_PLACERESPONSE']._serialized_end=1312
+  _globals['_EXPERTSERVICE']._serialized_start=1422
+  _globals['_EXPERTSERVICE']._serialized_end=1754
 # @@protoc_insertion_point(module_scope)

@@ -46,7 +46,7 @@ class ExpertRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "model_fingerprint", "model_type", "num_hidden_layers", "moe_layers", "num_experts", "hidden_size", "worker_index", "num_workers", "expert_ranges", "activation_dtype", "weight_format", "kernel_backend", "activation", "data_planes", "expert_replicas", "load_format", "group_size")
+    __slots__ = ("protocol_version", "model_fingerprint", "model_type", "num_hidden_layers", "moe_layers", "num_experts", "hidden_size", "worker_index", "num_workers", "expert_ranges", "activation_dtype", "weight_format", "kernel_backend", "activation", "data_planes", "expert_replicas", "load_format", "group_size", "placement_epoch")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class InfoResponse(_message.Message):
     EXPERT_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_fingerprint: str
     model_type: str
@@ -83,7 +84,8 @@ class InfoResponse(_message.Message):
     expert_replicas: int
     load_format: str
     group_size: int
-    def __init__(self, protocol_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., num_hidden_layers: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., num_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., expert_ranges: _Optional[_Iterable[_Union[ExpertRange, _Mapping]]] = ..., activation_dtype: _Optional[_Union[DType, str]] = ..., weight_format: _Optional[str] = ..., kernel_backend: _Optional[str] = ..., activation: _Optional[str] = ..., data_planes: _Optional[_Iterable[_Union[DataPlane, _Mapping]]] = ..., expert_replicas: _Optional[int] = ..., load_format: _Optional[str] = ..., group_size: _Optional[int] = ...) -> None: ...
+    placement_epoch: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., num_hidden_layers: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., num_experts: _Optional[int] = ..., hidden_size: _Optional[int] = ..., worker_index: _Optional[int] = ..., num_workers: _Optional[int] = ..., expert_ranges: _Optional[_Iterable[_Union[ExpertRange, _Mapping]]] = ..., activation_dtype: _Optional[_Union[DType, str]] = ..., weight_format: _Optional[str] = ..., kernel_backend: _Optional[str] = ..., activation: _Optional[str] = ..., data_planes: _Optional[_Iterable[_Union[DataPlane, _Mapping]]] = ..., expert_replicas: _Optional[int] = ..., load_format: _Optional[str] = ..., group_size: _Optional[int] = ..., placement_epoch: _Optional[int] = ...) -> None: ...
 
 class DataPlane(_message.Message):
     __slots__ = ("kind", "port", "address", "host_id")
@@ -116,3 +118,29 @@ class ForwardResponse(_message.Message):
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
     partial: Tensor
     def __init__(self, partial: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class LayerExperts(_message.Message):
+    __slots__ = ("layer", "experts")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    experts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PlaceRequest(_message.Message):
+    __slots__ = ("epoch", "layers")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    layers: _containers.RepeatedCompositeFieldContainer[LayerExperts]
+    def __init__(self, epoch: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerExperts, _Mapping]]] = ...) -> None: ...
+
+class PlaceResponse(_message.Message):
+    __slots__ = ("epoch", "extra_experts", "extra_bytes")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    extra_experts: int
+    extra_bytes: int
+    def __init__(self, epoch: _Optional[int] = ..., extra_experts: _Optional[int] = ..., extra_bytes: _Optional[int] = ...) -> None: ...

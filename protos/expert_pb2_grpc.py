@@ -49,6 +49,11 @@ class ExpertServiceStub(object):
                 request_serializer=protos_dot_expert__pb2.Tensor.SerializeToString,
                 response_deserializer=protos_dot_expert__pb2.Tensor.FromString,
                 _registered_method=True)
+        self.Place = channel.unary_unary(
+                '/hetero_moe.expert.v2.ExpertService/Place',
+                request_serializer=protos_dot_expert__pb2.PlaceRequest.SerializeToString,
+                response_deserializer=protos_dot_expert__pb2.PlaceResponse.FromString,
+                _registered_method=True)
 
 
 class ExpertServiceServicer(object):
@@ -75,6 +80,16 @@ class ExpertServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Place(self, request, context):
+        """Hold this epoch's experts beside the shards (loaded while requests are served), then answer.
+        INVALID_ARGUMENT: a layer that is not a MoE layer, an expert id out of range, one repeated.
+        FAILED_PRECONDITION: an epoch not above the current one; the current epoch again answers OK
+        without reloading when it names the same experts (a retry), FAILED_PRECONDITION when not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +107,11 @@ def add_ExpertServiceServicer_to_server(servicer, server):
                     servicer.Echo,
                     request_deserializer=protos_dot_expert__pb2.Tensor.FromString,
                     response_serializer=protos_dot_expert__pb2.Tensor.SerializeToString,
+            ),
+            'Place': grpc.unary_unary_rpc_method_handler(
+                    servicer.Place,
+                    request_deserializer=protos_dot_expert__pb2.PlaceRequest.FromString,
+                    response_serializer=protos_dot_expert__pb2.PlaceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +195,33 @@ class ExpertService(object):
             '/hetero_moe.expert.v2.ExpertService/Echo',
             protos_dot_expert__pb2.Tensor.SerializeToString,
             protos_dot_expert__pb2.Tensor.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Place(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero_moe.expert.v2.ExpertService/Place',
+            protos_dot_expert__pb2.PlaceRequest.SerializeToString,
+            protos_dot_expert__pb2.PlaceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,7 @@ def test_info_describes_the_shard(served):
         assert (info.worker_index, info.num_workers) == (worker, NUM_WORKERS)
         assert [(r.start, r.end) for r in info.expert_ranges] == [(start, end)]
         assert info.kernel_backend == "reference" and info.activation == "silu"
+        assert info.placement_epoch == 0, "no Place yet: its shards only"
 
 
 def test_workers_run_as_batch_processes(served):
@@ -107,7 +108,8 @@ def test_bad_requests_are_refused_and_the_worker_keeps_serving(served):
     assert_invalid(stub, request_for(layer, torch.randn(3, h + 1, dtype=torch.bfloat16), [0], [start], [1.0]), f"[T, {h}]")
     assert_invalid(stub, request_for(layer, x.to(torch.int64), [0], [start], [1.0]), "hidden dtype")
     assert_invalid(stub, request_for(ckpt.num_hidden_layers + 5, x, [0], [start], [1.0]), "not a MoE layer")
-    assert_invalid(stub, request_for(layer, x, [0], [0 if start else end], [1.0]), "not within one of this worker's shards")
+    assert_invalid(stub, request_for(layer, x, [0], [0 if start else end], [1.0]), "are not held by this worker")
+    assert_invalid(stub, request_for(layer, x, [0], [ckpt.num_experts], [1.0]), "pair_experts must lie in")
     assert_invalid(stub, request_for(layer, x, [0, 3], [start, start], [1.0, 1.0]), "pair_rows must lie in")
     assert_invalid(stub, request_for(layer, x, [0, 0], [start, start], [1.0, 1.0]), "more than once")
     assert_invalid(stub, request_for(layer, x, [0, 1], [start], [1.0, 1.0]), "differ in length")
@@ -129,7 +131,7 @@ def test_bad_requests_are_refused_and_the_worker_keeps_serving(served):
     def moved(name: str, **labels: str) -> float:
         return total(after, name, **labels) - total(before, name, **labels)
 
-    assert moved("hetero_moe_worker_requests_total", status="INVALID_ARGUMENT") == 10
+    assert moved("hetero_moe_worker_requests_total", status="INVALID_ARGUMENT") == 11
     assert moved("hetero_moe_worker_requests_total", status="OK") == 2
     assert moved("hetero_moe_worker_rows_total") == 6 and moved("hetero_moe_worker_pairs_total") == 6
     assert after[("hetero_moe_worker_up", ())] == 1

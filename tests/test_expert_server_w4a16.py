@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.support import python_module, start_workers
-from expert_server.weights import load_shard
+from expert_server.weights import load_shard, loaded_expert_bytes
 from kernels.formats import SafetensorsFiles
 from kernels.reference import DenseExpertWeights, moe_experts_reference
 from protos import codec
@@ -66,6 +66,29 @@ def test_w4a16_partials_match_experts_quantized_by_compressed_tensors(quantized)
         )
         want = moe_experts_reference(x, rows, experts - start, weights, shard)
         assert (got - want).norm() / want.norm() < 1e-2, "bf16 activations in the CPU int4 kernel"
+
+
+def test_an_extra_expert_is_quantized_and_computed_as_on_its_home_worker(quantized):
+    """Worker 0 places an expert of worker 1's shard beside its own: it quantizes it with the same
+    flags on the same kernel, so a request naming it gives worker 1's bits, and a request mixing it
+    with worker 0's experts gives its shard's partial plus the extra's, added in float32 in that order."""
+    ckpt, stubs = quantized
+    (start0, _), (start1, _) = (Placement(ckpt.num_experts, NUM_WORKERS).shard_range(w) for w in range(NUM_WORKERS))
+    layer, x = ckpt.moe_layers[2], torch.randn(4, ckpt.hidden_size, generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.bfloat16)
+    epoch = stubs[0].Info(pb.InfoRequest(), timeout=10).placement_epoch + 1
+    request = pb.PlaceRequest(epoch=epoch, layers=[pb.LayerExperts(layer=layer, experts=[start1])])
+    reply = stubs[0].Place(request, timeout=60)
+    assert reply.extra_experts == 1 and reply.extra_bytes == loaded_expert_bytes(ckpt, "w4a16", GROUP)
+
+    def forward(worker: int, rows, experts, weights) -> torch.Tensor:
+        return codec.decode(stubs[worker].Forward(request_for(layer, x, rows, experts, weights), timeout=30).partial)
+
+    extra = ([0, 1, 3], [start1] * 3, [0.5, 0.25, 1.0])
+    assert torch.equal(forward(0, *extra), forward(1, *extra))
+    own = ([0, 2, 3], [start0, start0 + 1, start0], [0.75, 1.0, 0.125])
+    mixed = forward(0, *(a + b for a, b in zip(own, extra)))
+    assert torch.equal(mixed, forward(0, *own) + forward(1, *extra))
 
 
 def test_forcing_a_backend_that_cannot_run_stops_the_worker_with_the_reason(model_dir):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ from protos.frames import Header, Kind
 
 if TYPE_CHECKING:
     from expert_server.transport.base import ReplyDelayConfig
+    from kernels.backends.base import PreparedExperts
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +89,15 @@ class ExpertHandler:
             raise self.refusal(exc) from None
         metrics.BYTES_SENT.inc(partial.numel() * partial.element_size())
         metrics.ROWS.inc(partial.shape[0])
-        metrics.PAIRS.inc(batch.pair_rows.shape[0])
+        metrics.PAIRS.inc(batch.num_pairs)
         self._ok.inc()
         metrics.FORWARD_SECONDS.observe(time.perf_counter() - start)
         return partial, compute_ns
+
+    def hold(self, extras: Mapping[tuple[int, int], PreparedExperts]) -> None:
+        """Switch the extra experts requests may name (LocalExperts.hold) between two computations."""
+        with self._compute:
+            self.experts.hold(extras)
 
     def handle(self, header: Header, payload: memoryview | bytearray | bytes) -> Reply:
         """A request frame whose `payload` holds exactly header.payload bytes -> the reply frame."""
