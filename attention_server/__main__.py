@@ -13,8 +13,9 @@ import logging
 import sys
 
 from attention_server.config import (
-    DATA_PLANES, DEFAULT_EXPERT_LOAD_WINDOW_S, DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_WORKER_LOSS_TIMEOUT_S,
-    MAX_MICROBATCHES, AttentionConfig, bytes_flag, microbatches_flag, share_metrics_across_processes,
+    DATA_PLANES, DEFAULT_EXPERT_LOAD_WINDOW_S, DEFAULT_REBALANCE_ABOVE, DEFAULT_REQUEST_TIMEOUT_S,
+    DEFAULT_WORKER_LOSS_TIMEOUT_S, MAX_MICROBATCHES, AttentionConfig, bytes_flag, microbatches_flag,
+    share_metrics_across_processes,
 )  # fmt: skip
 from attention_server.handshake import WorkerMismatchError, check_workers
 from protos.checkpoint import CheckpointError, read_checkpoint
@@ -48,6 +49,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="compute the busiest routed experts of the load window that fit in BYTES (e.g. 2GiB) on this "
                         "node, with the workers' kernels, while the workers compute the rest; re-chosen as the load "
                         "moves; 0 (default): every routed expert on the workers")
+    p.add_argument("--spare-expert-bytes", type=bytes_flag, default=0, metavar="BYTES",
+                   help="per worker, memory for copies of other workers' busy experts: when a layer's busiest worker "
+                        "is over --rebalance-above times the mean, shares of its busiest experts' tokens are moved "
+                        "onto the least busy workers, while serving; 0 (default): the static placement")
+    p.add_argument("--rebalance-above", type=float, default=DEFAULT_REBALANCE_ABOVE, metavar="RATIO",
+                   help="re-place when a layer's busiest worker takes more than RATIO times the mean of the load "
+                        f"window's tokens (default {DEFAULT_REBALANCE_ABOVE}); needs --spare-expert-bytes")
     ours, vllm_args = p.parse_known_args(argv)
     if (ours.pingpong_microbatches or 1) > 1 and not ours.expert_endpoints:
         p.error("--pingpong-microbatches needs --expert-endpoints (without them this is stock vLLM)")
@@ -104,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
             cfg = AttentionConfig.from_flags(ours.expert_endpoints, ours.expert_timeout, ours.data_plane,
                                              ours.pingpong_microbatches, ours.expert_replicas,
                                              ours.worker_loss_timeout, ours.expert_load_window,
-                                             ours.hot_expert_bytes, tls_dir=ours.tls_dir, plaintext=ours.plaintext)  # fmt: skip
+                                             ours.hot_expert_bytes, ours.spare_expert_bytes, ours.rebalance_above,
+                                             tls_dir=ours.tls_dir, plaintext=ours.plaintext)  # fmt: skip
             credentials = cfg.security()
             vllm_argv += pingpong_worker_args(cfg.pingpong_microbatches, vllm_argv)
             vllm_argv += ["--middleware", load_route.MIDDLEWARE]  # GET /hetero_moe/expert_load

@@ -27,11 +27,14 @@ TLS_DIR_ENV = "HETERO_MOE_TLS_DIR"  # --tls-dir
 PLAINTEXT_ENV = "HETERO_MOE_PLAINTEXT"  # "1": --plaintext
 LOAD_WINDOW_ENV = "HETERO_MOE_EXPERT_LOAD_WINDOW_S"
 HOT_BYTES_ENV = "HETERO_MOE_HOT_EXPERT_BYTES"
+SPARE_BYTES_ENV = "HETERO_MOE_SPARE_EXPERT_BYTES"
+REBALANCE_ENV = "HETERO_MOE_REBALANCE_ABOVE"
 MAX_MICROBATCHES = 4
 DATA_PLANES = ("auto", "shm", "tcp", "grpc")
 DEFAULT_REQUEST_TIMEOUT_S = 60.0
 DEFAULT_WORKER_LOSS_TIMEOUT_S = 60.0
 DEFAULT_EXPERT_LOAD_WINDOW_S = 60.0
+DEFAULT_REBALANCE_ABOVE = 1.2
 PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
@@ -77,6 +80,8 @@ class AttentionConfig:
     worker_loss_timeout_s: float = DEFAULT_WORKER_LOSS_TIMEOUT_S  # a shard with no live replica waits this long
     expert_load_window_s: float = DEFAULT_EXPERT_LOAD_WINDOW_S  # tokens per (layer, expert) over this; 0: not counted
     hot_expert_bytes: int = 0  # the busiest routed experts that fit are computed on this node (hot.py); 0: none
+    spare_expert_bytes: int = 0  # per worker, for shares of busy experts re-placed onto it (replace.py); 0: static
+    rebalance_above: float = DEFAULT_REBALANCE_ABOVE  # re-place when a layer's busiest worker is this over the mean
     tls_dir: Path | None = field(kw_only=True)  # mutual TLS and token from here (protos/security.py); None: plaintext
 
     def __post_init__(self) -> None:
@@ -104,6 +109,14 @@ class AttentionConfig:
         if self.hot_expert_bytes and not self.expert_load_window_s:
             raise ValueError("hot experts are chosen from the expert load window: --hot-expert-bytes needs "
                              "--expert-load-window above 0")  # fmt: skip
+        if self.spare_expert_bytes < 0:
+            raise ValueError(f"spare expert bytes must be >= 0 (0: static placement), got {self.spare_expert_bytes}")
+        if self.spare_expert_bytes and not self.expert_load_window_s:
+            raise ValueError("re-placement follows the expert load window: --spare-expert-bytes needs "
+                             "--expert-load-window above 0")  # fmt: skip
+        if not self.rebalance_above >= 1.0:
+            raise ValueError(f"--rebalance-above is a ratio of the busiest worker's load to the mean, >= 1; "
+                             f"got {self.rebalance_above}")  # fmt: skip
         if self.tls_dir is not None and not self.tls_dir.is_dir():
             raise ValueError(f"--tls-dir {self.tls_dir} is not a directory")
 
@@ -117,13 +130,15 @@ class AttentionConfig:
     def from_flags(cls, endpoints: str, request_timeout_s: float, data_plane: str = "auto",
                    pingpong_microbatches: int | None = None, expert_replicas: int | None = None,
                    worker_loss_timeout_s: float = DEFAULT_WORKER_LOSS_TIMEOUT_S,
-                   expert_load_window_s: float = DEFAULT_EXPERT_LOAD_WINDOW_S, hot_expert_bytes: int = 0, *,
+                   expert_load_window_s: float = DEFAULT_EXPERT_LOAD_WINDOW_S, hot_expert_bytes: int = 0,
+                   spare_expert_bytes: int = 0, rebalance_above: float = DEFAULT_REBALANCE_ABOVE, *,
                    tls_dir: Path | None, plaintext: bool) -> AttentionConfig:  # fmt: skip
         from protos.security import tls_dir_flag
 
         return cls(tuple(e.strip() for e in endpoints.split(",") if e.strip()), request_timeout_s, data_plane,
                    pingpong_microbatches, expert_replicas, worker_loss_timeout_s, expert_load_window_s,
-                   hot_expert_bytes, tls_dir=tls_dir_flag(tls_dir, plaintext))  # fmt: skip
+                   hot_expert_bytes, spare_expert_bytes, rebalance_above,
+                   tls_dir=tls_dir_flag(tls_dir, plaintext))  # fmt: skip
 
     @classmethod
     def from_env(cls) -> AttentionConfig | None:
@@ -137,6 +152,7 @@ class AttentionConfig:
             microbatches_flag(os.environ.get(PINGPONG_ENV, "auto")), int(replicas) if replicas else None,
             float(os.environ.get(WORKER_LOSS_ENV, DEFAULT_WORKER_LOSS_TIMEOUT_S)),
             float(os.environ.get(LOAD_WINDOW_ENV, DEFAULT_EXPERT_LOAD_WINDOW_S)), int(os.environ.get(HOT_BYTES_ENV, "0")),
+            int(os.environ.get(SPARE_BYTES_ENV, "0")), float(os.environ.get(REBALANCE_ENV, DEFAULT_REBALANCE_ABOVE)),
             tls_dir=Path(tls) if (tls := os.environ.get(TLS_DIR_ENV)) else None,
             plaintext=os.environ.get(PLAINTEXT_ENV) == "1",
         )  # fmt: skip
@@ -150,6 +166,8 @@ class AttentionConfig:
         os.environ[WORKER_LOSS_ENV] = repr(self.worker_loss_timeout_s)
         os.environ[LOAD_WINDOW_ENV] = repr(self.expert_load_window_s)
         os.environ[HOT_BYTES_ENV] = str(self.hot_expert_bytes)
+        os.environ[SPARE_BYTES_ENV] = str(self.spare_expert_bytes)
+        os.environ[REBALANCE_ENV] = repr(self.rebalance_above)
         if self.tls_dir is None:
             os.environ.pop(TLS_DIR_ENV, None)
             os.environ[PLAINTEXT_ENV] = "1"

@@ -6,9 +6,9 @@ kernels the workers use, loaded the way they loaded theirs.
         that fit the budget ─▶ a different set? a loader thread reads their tensors (load_experts)
         ─▶ ready ─▶ the next layer call takes it: placement epoch + 1
 
-A layer call partitions its pairs with its set's shard table, in which a hot expert belongs to
-shard W, past the workers' 0 … W-1: that slice is never sent, it is computed here, and combine
-adds it last, in float64, as it adds every shard in order. A set is taken whole at the start of a
+A layer call partitions its pairs with a shard table in which a hot expert belongs to shard W,
+past the workers' 0 … W-1 (ExpertPool.route): that slice is never sent, it is computed here, and
+combine adds it last, in float64, as it adds every shard in order. A set is taken whole at the start of a
 layer call (send) and used by its receive, so a switch never splits a layer's work; the old set's
 weights go when the last call holding it is done. Tokens differ from an all-remote layer only by
 the float32 rounding of a shard's partial sum (the parity tests' tie rule).
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +26,7 @@ import torch
 from attention_server import metrics
 from attention_server.load.window import LoadView
 from attention_server.partition import ShardSlice
-from expert_server.weights import LoadedShard, load_experts
+from expert_server.weights import LoadedShard, load_experts, loaded_expert_bytes
 from protos import expert_pb2 as pb
 from protos.checkpoint import MoeCheckpoint
 
@@ -61,13 +61,9 @@ class HotSet:
 
     epoch: int
     experts: dict[int, tuple[int, ...]]  # MoE layer -> hot global expert ids, ascending; absent: none
-    tables: dict[int, np.ndarray]  # MoE layer -> [E] shard of each expert, `hot_shard` for the hot ones
     local: dict[int, np.ndarray]  # MoE layer -> [E] index among the layer's hot experts (-1: not hot)
     loaded: LoadedShard | None
     nbytes: int
-
-    def table(self, layer: int, remote: np.ndarray) -> np.ndarray:
-        return self.tables.get(layer, remote)
 
     def compute(self, layer: int, x: torch.Tensor, part: ShardSlice) -> torch.Tensor:
         """[T_s, H] float32: the hot slice's router-weighted expert sum, as a worker computes its shard's."""
@@ -95,14 +91,14 @@ def choose(window: np.ndarray, layers: Sequence[int], budget_bytes: int, expert_
 class HotExperts:
     """The attention node's hot set, re-chosen from the load window and switched in between calls."""
 
-    def __init__(self, ckpt: MoeCheckpoint, remote: np.ndarray, hot_shard: int, budget_bytes: int,
-                 workers: WorkerFormat, device: torch.device):  # fmt: skip
-        self.ckpt, self.remote, self.hot_shard, self.budget_bytes = ckpt, remote, hot_shard, budget_bytes
-        self.workers, self.device = workers, device
+    def __init__(self, ckpt: MoeCheckpoint, budget_bytes: int, workers: WorkerFormat, device: torch.device,
+                 on_take: Callable[[], None]):  # fmt: skip
+        self.ckpt, self.budget_bytes, self.workers, self.device = ckpt, budget_bytes, workers, device
+        self.on_take = on_take  # a placement epoch starts
         self.expert_bytes = expert_bytes(ckpt, workers)
         if budget_bytes < self.expert_bytes:
             raise HotExpertsError(f"--hot-expert-bytes {budget_bytes} holds no expert: one takes {self.expert_bytes} bytes")
-        self._current = HotSet(0, {}, {}, {}, None, 0)
+        self._current = HotSet(0, {}, {}, None, 0)
         self._ready: HotSet | None = None
         self._loading = False
         self._lock = threading.Lock()
@@ -116,7 +112,8 @@ class HotExperts:
             with self._lock:
                 ready, self._ready = self._ready, None
                 self._current = ready
-            metrics.publish_hot(ready.epoch, sum(len(e) for e in ready.experts.values()), ready.nbytes)
+            self.on_take()
+            metrics.publish_hot(sum(len(e) for e in ready.experts.values()), ready.nbytes)
             logger.info("hot experts, epoch %d: %s (%.1f MiB)", ready.epoch, _describe(ready.experts), ready.nbytes / 2**20)
         return self._current
 
@@ -134,13 +131,11 @@ class HotExperts:
     def _prepare(self, wanted: dict[int, tuple[int, ...]], epoch: int) -> None:
         try:
             loaded = self._load(wanted)
-            tables, local = {}, {}
+            local = {}
             for layer, ids in wanted.items():
-                tables[layer] = self.remote.copy()
-                tables[layer][list(ids)] = self.hot_shard
-                local[layer] = np.full(len(self.remote), -1, dtype=np.int64)
+                local[layer] = np.full(self.ckpt.num_experts, -1, dtype=np.int64)
                 local[layer][list(ids)] = np.arange(len(ids))
-            self._ready = HotSet(epoch, wanted, tables, local, loaded, self.expert_bytes * sum(map(len, wanted.values())))
+            self._ready = HotSet(epoch, wanted, local, loaded, self.expert_bytes * sum(map(len, wanted.values())))
         except Exception:  # the current set stays; the next bucket tries again
             logger.exception("hot experts: loading %s failed; keeping epoch %d", _describe(wanted), epoch - 1)
         finally:
@@ -159,12 +154,8 @@ class HotExperts:
 
 
 def expert_bytes(ckpt: MoeCheckpoint, workers: WorkerFormat) -> int:
-    """One routed expert's weights as loaded: as stored, or int4 plus a 16-bit scale per group."""
-    stored = ckpt.expert_bytes // (len(ckpt.moe_layers) * ckpt.num_experts)
-    if workers.load_format == "checkpoint":
-        return stored
-    weights = stored // ckpt.dtype.itemsize  # 16-bit elements
-    return weights // 2 + weights // workers.group_size * 2
+    """One routed expert's weights as the workers loaded theirs."""
+    return loaded_expert_bytes(ckpt, workers.load_format, workers.group_size)
 
 
 def _describe(experts: dict[int, tuple[int, ...]]) -> str:

@@ -98,20 +98,26 @@ HOT_EXPERTS = Gauge("hetero_moe_hot_experts", "Routed experts (of all layers) co
                     multiprocess_mode="livemostrecent")  # fmt: skip
 HOT_BYTES = Gauge("hetero_moe_hot_expert_bytes", "Weight bytes of the routed experts computed on the attention node",
                   multiprocess_mode="livemostrecent")  # fmt: skip
-PLACEMENT_EPOCH = Gauge("hetero_moe_placement_epoch", "Hot sets taken so far (0: none yet)",
+PLACEMENT_EPOCH = Gauge("hetero_moe_placement_epoch",
+                        "Placements taken so far: hot sets on the attention node and expert layouts on the workers",
                         multiprocess_mode="livemostrecent")  # fmt: skip
 HOT_PAIRS = Counter("hetero_moe_hot_pairs", "(token, expert) pairs computed on the attention node by its hot experts")
 
 
-def publish_hot(epoch: int, experts: int, nbytes: int) -> None:
-    PLACEMENT_EPOCH.set(epoch)
+# Re-placement on the workers (attention_server/replace.py): one series.
+REPLACED_EXPERTS = Gauge("hetero_moe_replaced_experts",
+                         "Routed experts' shares (of all layers) dealt to a worker other than their home shard's",
+                         multiprocess_mode="livemostrecent")  # fmt: skip
+
+
+def publish_hot(experts: int, nbytes: int) -> None:
     HOT_EXPERTS.set(experts)
     HOT_BYTES.set(nbytes)
 
 
 def publish_load(view: LoadView) -> None:
     for over in BALANCE_OVER:
-        for layer, value in zip(view.layers, view.balance(view.window, over).tolist()):
+        for layer, value in zip(view.layers, view.balance(over).tolist()):
             LOAD_BALANCE.labels(str(layer), over).set(value)
     ids, shares = view.top(view.window, LOAD_TOP_N)
     for layer, layer_ids, layer_shares in zip(view.layers, ids.tolist(), shares.tolist()):

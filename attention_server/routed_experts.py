@@ -35,6 +35,7 @@ import logging
 import time
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
@@ -52,9 +53,10 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from attention_server import metrics
 from attention_server.combine import combine
 from attention_server.config import AttentionConfig
-from attention_server.hot import HotExperts, HotSet, WorkerFormat
+from attention_server.hot import HotExperts, HotSet, WorkerFormat, expert_bytes
 from attention_server.load.window import ExpertLoad, LoadView
-from attention_server.partition import DispatchPlan, partition
+from attention_server.partition import DispatchPlan, Split, partition
+from attention_server.replace import STATIC, Replacer
 from attention_server.transport import factory
 from attention_server.transport.base import Pending
 from attention_server.vllm_internals import dbo_current_ubatch_id, dbo_yield
@@ -74,11 +76,22 @@ class ExpertPool:
         # `python -m attention_server` checked every worker's Info before vLLM started and
         # published the replicas they hold; this process reads Info again for the data planes.
         self.transport, infos = factory.connect_workers(cfg, ckpt)
-        self.shards = self.transport.placement.shard_table()  # [E] shard of each expert
+        placement = self.transport.placement
+        self.shards = placement.shard_table()  # [E] home shard of each expert
         self.hot_shard = len(cfg.expert_endpoints)  # hot experts' slices: computed here, added last
-        self.hot = (HotExperts(ckpt, self.shards, self.hot_shard, cfg.hot_expert_bytes, WorkerFormat.of(infos), device)
+        self.epoch = 0  # placements taken (hot sets and worker layouts)
+        for gauge in (metrics.PLACEMENT_EPOCH, metrics.HOT_EXPERTS, metrics.HOT_BYTES, metrics.REPLACED_EXPERTS):
+            gauge.set(0)  # the gauges exist, at 0, from the start (and with placement changes off)
+        workers = WorkerFormat.of(infos) if cfg.hot_expert_bytes or cfg.spare_expert_bytes else None
+        self.hot = (HotExperts(ckpt, cfg.hot_expert_bytes, workers, device, self.take_epoch)
                     if cfg.hot_expert_bytes else None)  # fmt: skip
-        metrics.publish_hot(0, 0, 0)  # the gauges exist, at 0, from the start (and with hot experts off)
+        self.replacer = (Replacer(placement, cfg.expert_endpoints, cfg.security(), cfg.spare_expert_bytes,
+                                  expert_bytes(ckpt, workers), cfg.rebalance_above, lambda: bool(self.transport.down),
+                                  self.take_epoch)
+                         if cfg.spare_expert_bytes else None)  # fmt: skip
+        if self.replacer is not None:
+            self.transport.prepare_rejoin = self.replacer.restore
+        self.routes: dict[int, tuple[tuple[int, int], np.ndarray, Split | None]] = {}  # per layer, for an epoch pair
         self.counts = metrics.DispatchCounts(len(cfg.expert_endpoints))
         self.load = (ExpertLoad(ckpt.moe_layers, self.shards, ckpt.top_k, cfg.expert_load_window_s)
                      if cfg.expert_load_window_s else None)  # fmt: skip
@@ -86,20 +99,52 @@ class ExpertPool:
         self.last_layer = -1  # the step's last MoE layer publishes its counts
         self.moe_layers = 0  # RemoteRoutedExperts built on this pool
 
+    def take_epoch(self) -> None:
+        """A new hot set or worker layout serves from the next layer call on."""
+        self.epoch += 1
+        metrics.PLACEMENT_EPOCH.set(self.epoch)
+
+    def route(self, layer: int) -> tuple[HotSet | None, np.ndarray, Split | None]:
+        """For a layer call starting now: the hot set it takes (None: off), the [E] shard of each
+        expert (the hot ones: hot_shard) and the deal of the experts split over several shards."""
+        hot = self.hot.current() if self.hot is not None else None
+        layout = self.replacer.current() if self.replacer is not None else STATIC
+        epochs = (hot.epoch if hot is not None else 0, layout.epoch)
+        cached = self.routes.get(layer)
+        if cached is not None and cached[0] == epochs:
+            return hot, cached[1], cached[2]
+        shards, split = layout.route(layer, self.shards)
+        if hot is not None and (ids := list(hot.experts.get(layer, ()))):
+            shards = shards.copy()
+            shards[ids] = self.hot_shard
+            if split is not None:  # a hot expert's pairs are all computed here
+                dealt = split.split.copy()
+                dealt[ids] = False
+                split = dataclasses.replace(split, split=dealt) if dealt.any() else None
+        self.routes[layer] = (epochs, shards, split)
+        return hot, shards, split
+
     def record(self, layer: int, pending: Pending, width: int, itemsize: int, hot_pairs: int = 0) -> None:
         """A layer call's dispatch (`pending`: answered; `hot_pairs` computed here), for the counters
         and the load window."""
         self.counts.add(layer, pending.plan, width, itemsize, [call.worker for call in pending.calls], hot_pairs)
         if self.load is not None:
-            self.load.add(self.load.slots[layer], pending.plan.expert_pairs)
+            shard_pairs = [(part.shard, part.num_pairs) for part in pending.plan.slices]
+            if hot_pairs:
+                shard_pairs.append((self.hot_shard, hot_pairs))
+            self.load.add(self.load.slots[layer], pending.plan.expert_pairs, shard_pairs)
 
     def end_step(self) -> None:
         """After the step's last MoE layer (of each micro-batch)."""
         self.counts.publish()
+        if self.replacer is not None:
+            self.replacer.step_done()
         if self.load is not None and self.load.advance():
+            view = self._publish_view()
             if self.hot is not None:
-                self.hot.offer(self.load.view())
-            self._publish_view()
+                self.hot.offer(view)
+            if self.replacer is not None:
+                self.replacer.offer(view.window, view.layers, view.hot)
 
     def load_view(self) -> LoadView | None:
         """The expert load window as of now, None when it is off; the gauges show the same."""
@@ -196,8 +241,8 @@ class RemoteRoutedExperts(RoutedExperts):
 
     def send(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
         micro_batch = dbo_current_ubatch_id()
-        hot = self.pool.hot.current() if self.pool.hot is not None else None
-        plan = partition(topk_ids, topk_weights, hot.table(self.layer_index, self.pool.shards) if hot else self.pool.shards)
+        hot, shards, split = self.pool.route(self.layer_index)
+        plan = partition(topk_ids, topk_weights, shards, split)
         if plan.slices and plan.slices[-1].shard == self.pool.hot_shard:
             self.hot_calls[micro_batch] = (hot, plan)
             plan = DispatchPlan(plan.num_tokens, plan.slices[:-1], plan.expert_pairs)

@@ -71,6 +71,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     up.add_argument("--hot-expert-bytes", type=bytes_flag, default=0, metavar="BYTES",
                     help="the busiest routed experts that fit in BYTES (e.g. 512MiB) are computed on the attention "
                          "server, chosen and re-chosen from the load window; 0 (default): all on the workers")
+    up.add_argument("--spare-expert-bytes", type=bytes_flag, default=0, metavar="BYTES",
+                    help="per worker, memory for shares of other workers' busy experts, moved there while serving "
+                         "when a layer's load is uneven (--rebalance-above); 0 (default): the static placement")
+    up.add_argument("--rebalance-above", type=float, default=None, metavar="RATIO",
+                    help="re-place when a layer's busiest worker takes more than RATIO times the mean "
+                         "(attention_server's default: 1.2)")
     up.add_argument("--pingpong-microbatches", type=microbatches_flag, default=None, metavar="M|auto",
                     help="steps of at least M requests run as M micro-batches in ping-pong (1 to 4); 1: off; "
                          "auto (default): M chosen per step from measured times")
@@ -146,6 +152,8 @@ def up(a: argparse.Namespace) -> int:
         worker_loss_timeout_s=a.worker_loss_timeout,
         expert_load_window_s=a.expert_load_window,
         hot_expert_bytes=a.hot_expert_bytes,
+        spare_expert_bytes=a.spare_expert_bytes,
+        rebalance_above=a.rebalance_above,
         vllm_args=tuple(vllm_args),
         worker_args=worker_args(a),
     )

@@ -45,6 +45,8 @@ class ClusterSpec:
     worker_loss_timeout_s: float | None = None  # attention_server --worker-loss-timeout; None: its default
     expert_load_window_s: float | None = None  # attention_server --expert-load-window; None: its default
     hot_expert_bytes: int = 0  # attention_server --hot-expert-bytes
+    spare_expert_bytes: int = 0  # attention_server --spare-expert-bytes
+    rebalance_above: float | None = None  # attention_server --rebalance-above; None: its default
     vllm_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()  # e.g. --weight-format w4a16 --kernel-backend cpu
 
@@ -105,6 +107,8 @@ class ClusterSpec:
             *(("--worker-loss-timeout", str(self.worker_loss_timeout_s)) if self.worker_loss_timeout_s is not None else ()),
             *(("--expert-load-window", str(self.expert_load_window_s)) if self.expert_load_window_s is not None else ()),
             "--hot-expert-bytes", str(self.hot_expert_bytes),
+            "--spare-expert-bytes", str(self.spare_expert_bytes),
+            *(("--rebalance-above", str(self.rebalance_above)) if self.rebalance_above is not None else ()),
             "--host", self.host,
             "--port", str(self.http_port),
             "--served-model-name", self.served_model_name,

@@ -47,19 +47,21 @@ def test_window_forgets_what_left_it_and_total_keeps_everything():
     clock, shards = Clock(), np.repeat(np.arange(8), 2)
     load = ExpertLoad([1, 3], shards, top_k=2, window_s=12.0, clock=clock)  # buckets of 1 s
     first = np.bincount([0, 5, 5, 7], minlength=16)
-    load.add(load.slots[3], first)
+    load.add(load.slots[3], first, [(0, 1), (2, 2), (3, 1)])
     clock.now += BUCKETS - 0.5  # the first bucket is still in the window
     assert load.advance()
     later = np.bincount([2, 2, 2, 9], minlength=16)
-    load.add(load.slots[1], later)
+    load.add(load.slots[1], later, [(1, 3), (4, 1)])
     view = load.view()
     assert view.window.tolist() == [later.tolist(), first.tolist()] == view.total.tolist()
+    assert view.shard_window.tolist() == [[0, 3, 0, 0, 1, 0, 0, 0, 0], [1, 0, 2, 1, 0, 0, 0, 0, 0]]
     assert view.covered_s == pytest.approx(BUCKETS - 0.5)
     clock.now += 1.0  # now it has left
     assert load.advance() and not load.advance()
     view = load.view()
     assert view.window.tolist() == [later.tolist(), [0] * 16]
     assert view.total.tolist() == [later.tolist(), first.tolist()]
+    assert view.shard_window[1].sum() == 0 and view.shard_total[1].sum() == 4
     assert view.covered_s == pytest.approx(BUCKETS - 0.5)  # 11 whole buckets and half of the current one
     clock.now += 10 * BUCKETS  # a long idle: everything left, once
     load.advance()
@@ -69,10 +71,12 @@ def test_window_forgets_what_left_it_and_total_keeps_everything():
 def test_balance_and_top_of_a_view():
     clock, shards = Clock(), np.repeat(np.arange(8), 2)
     load = ExpertLoad([0, 1], shards, top_k=2, window_s=60.0, clock=clock)
-    load.add(0, np.bincount([4, 4, 4, 4, 5, 5, 1, 1], minlength=16))  # 4 tokens x top-2
+    load.add(0, np.bincount([4, 4, 4, 4, 5, 5, 1, 1], minlength=16), [(0, 2), (2, 3), (5, 1), (8, 2)])  # 4 tokens x top-2
     view = load.view()
-    np.testing.assert_allclose(view.balance(view.window, "expert"), [4 / (8 / 16), np.nan])
-    np.testing.assert_allclose(view.balance(view.window, "shard"), [6 / (8 / 8), np.nan])  # experts 4, 5: shard 2
+    np.testing.assert_allclose(view.balance("expert"), [4 / (8 / 16), np.nan])
+    # As the shards computed them (three of expert 4's pairs went elsewhere); the node's 2 hot ones left out.
+    np.testing.assert_allclose(view.balance("shard"), [3 / (6 / 8), np.nan])
+    np.testing.assert_allclose(view.balance("shard", total=True), [3 / (6 / 8), np.nan])
     ids, shares = view.top(view.window, 3)
     assert ids[0].tolist() == [4, 1, 5]  # 1 and 5 tie: the lower id first
     np.testing.assert_allclose(shares[0], [1.0, 0.5, 0.5])
@@ -174,10 +178,11 @@ def test_cluster_counts_what_transformers_routes(model_dir, tmp_path):
     assert len(series) == 2 * layers * (TOP_N + 1), sorted(series)
     window = np.asarray(view["window"])
     shards = np.asarray(view["shards"])
-    for row, layer in zip(window, ckpt.moe_layers):
+    for row, shard_row, layer in zip(window, np.asarray(view["shard_window"]), ckpt.moe_layers):
         gauge = {(name, tuple(v for _, v in labels)): value for (name, labels), value in metrics.items()
                  if name in LOAD_SERIES and dict(labels)["layer"] == str(layer)}  # fmt: skip
         per_shard = np.array([row[shards == s].sum() for s in range(shards.max() + 1)])
+        assert shard_row.tolist() == [*per_shard.tolist(), 0]  # the static placement, no hot experts
         assert gauge[LOAD_SERIES[0], (str(layer), "expert")] == pytest.approx(row.max() / (row.sum() / experts))
         assert gauge[LOAD_SERIES[0], (str(layer), "shard")] == pytest.approx(per_shard.max() / per_shard.mean())
         busiest = sorted(range(experts), key=lambda e: (-row[e], e))[:TOP_N]

@@ -33,8 +33,9 @@ def fetch(url: str, timeout_s: float = 30.0) -> dict:
         raise SystemExit(f"{url}: {err.reason}") from None
 
 
-def table(view: LoadView, counts: np.ndarray, span: str) -> str:
-    balance = {over: view.balance(counts, over) for over in BALANCE_OVER}
+def table(view: LoadView, total: bool, span: str) -> str:
+    counts = view.total if total else view.window
+    balance = {over: view.balance(over, total) for over in BALANCE_OVER}
     ids, shares = view.top(counts, TOP_N)
     lines = [f"tokens per MoE layer {span}; balance: busiest over mean (1 = even); top {TOP_N} experts "
              f"with their share of the layer's tokens (each token picks {view.top_k})",
@@ -46,7 +47,7 @@ def table(view: LoadView, counts: np.ndarray, span: str) -> str:
         lines.append(f"{layer:>5} {view.tokens(counts)[i]:>10} {balance['expert'][i]:>8.2f} "
                      f"{balance['shard'][i]:>7.2f}  {top}")  # fmt: skip
     if view.hot:
-        lines.append("* computed on the attention node (hot experts); the shard balance leaves them out")
+        lines.append("* computed on the attention node (hot experts), which the shard balance leaves out")
     return "\n".join(lines)
 
 
@@ -88,15 +89,12 @@ def main(argv: list[str] | None = None) -> None:
         print()
         return
     view = LoadView.from_json(data)
-    if a.total:
-        counts, span = view.total, "since the server started"
-    else:
-        counts, span = view.window, f"over the last {view.covered_s:.0f} s"
+    span = "since the server started" if a.total else f"over the last {view.covered_s:.0f} s"
     if a.png:
-        heat_map(view, counts, span, a.png)
+        heat_map(view, view.total if a.total else view.window, span, a.png)
         print(a.png)
     else:
-        print(table(view, counts, span))
+        print(table(view, a.total, span))
 
 
 if __name__ == "__main__":

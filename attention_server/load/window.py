@@ -2,7 +2,9 @@
 
 The window is a ring of BUCKETS arrays [L, E]. Each MoE layer call adds its DispatchPlan's
 expert_pairs (a bincount partition already made) to the current bucket: one numpy add of E
-integers, no loop per token. Once a step the ring advances by the buckets that have elapsed;
+integers, no loop per token; and the pairs each shard computed, as it was sent (a second ring,
+[L, W + 1], the last column the attention node's hot experts), so that the shards' balance is
+measured under whatever layout served the calls (re-placement, attention_server/replace.py). Once a step the ring advances by the buckets that have elapsed;
 a bucket leaving the ring is added to the counts since start. So the window reaches back
 between (BUCKETS - 1) / BUCKETS of window_s and window_s.
 
@@ -11,7 +13,7 @@ No Prometheus here: this module is also read by the CLI, in a process that serve
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,9 +27,11 @@ class LoadView:
     """Tokens routed to each (MoE layer, expert): over the window and since the server started
     (vLLM's startup profiling run included).
 
-    layers: [L] model layer index of each row; shards: [E] the shard (worker, without replicas)
-    holding each expert; window, total: [L, E] int64; hot: the experts the attention node
-    computes itself now (attention_server/hot.py), by model layer index.
+    layers: [L] model layer index of each row; shards: [E] the home shard (worker, without
+    replicas) of each expert; window, total: [L, E] int64; shard_window, shard_total: [L, W + 1]
+    int64, the pairs each shard computed (the last column: the attention node's hot experts);
+    hot: the experts the attention node computes itself now (attention_server/hot.py), by model
+    layer index.
     """
 
     layers: tuple[int, ...]
@@ -37,34 +41,26 @@ class LoadView:
     covered_s: float  # how far back `window` reaches now (less than window_s in the first window)
     window: np.ndarray
     total: np.ndarray
+    shard_window: np.ndarray
+    shard_total: np.ndarray
     hot: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def tokens(self, counts: np.ndarray) -> np.ndarray:
         """[L] tokens each layer routed: every token makes top_k (token, expert) pairs."""
         return counts.sum(axis=1) // self.top_k
 
-    def balance(self, counts: np.ndarray, over: str) -> np.ndarray:
-        """[L] busiest expert's (or shard's) tokens over the mean; 1 is balanced; NaN for a layer
-        that routed nothing. Over shards, the hot experts' tokens are left out: the workers'
-        balance under the current hot set."""
+    def balance(self, over: str, total: bool = False) -> np.ndarray:
+        """[L] busiest expert's (or shard's) pairs over the mean, over the window (or since start);
+        1 is balanced; NaN for a layer that routed nothing. Over shards: the pairs the workers'
+        shards computed, as dealt (the attention node's hot experts are not a worker's)."""
         assert over in BALANCE_OVER, over
-        if over == "shard":
-            shards = np.asarray(self.shards)
-            counts = np.stack([
-                np.bincount(shards, weights=self._cold(layer, row), minlength=shards.max() + 1)
-                for layer, row in zip(self.layers, counts)
-            ])  # fmt: skip
+        if over == "expert":
+            counts = self.total if total else self.window
+        else:
+            counts = (self.shard_total if total else self.shard_window)[:, :-1]
         mean = counts.mean(axis=1)
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(mean > 0, counts.max(axis=1) / mean, np.nan)
-
-    def _cold(self, layer: int, row: np.ndarray) -> np.ndarray:
-        hot = self.hot.get(layer)
-        if not hot:
-            return row
-        row = row.copy()
-        row[list(hot)] = 0
-        return row
 
     def top(self, counts: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         """The n busiest experts of each layer, ties to the lower id: ids [L, n] and the share of
@@ -79,13 +75,14 @@ class LoadView:
             "layers": list(self.layers), "shards": list(self.shards), "top_k": self.top_k,
             "window_s": self.window_s, "covered_s": self.covered_s,
             "window": self.window.tolist(), "total": self.total.tolist(),
+            "shard_window": self.shard_window.tolist(), "shard_total": self.shard_total.tolist(),
             "hot": {str(layer): list(ids) for layer, ids in self.hot.items()},
         }  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict) -> LoadView:
         return cls(tuple(data["layers"]), tuple(data["shards"]), data["top_k"], data["window_s"], data["covered_s"],
-                   np.asarray(data["window"], dtype=np.int64), np.asarray(data["total"], dtype=np.int64),
+                   *(np.asarray(data[key], dtype=np.int64) for key in ("window", "total", "shard_window", "shard_total")),
                    {int(layer): tuple(ids) for layer, ids in data.get("hot", {}).items()})  # fmt: skip
 
 
@@ -97,17 +94,22 @@ class ExpertLoad:
         assert window_s > 0, window_s
         self.layers, self.shards, self.top_k, self.window_s = tuple(layers), shards, top_k, window_s
         self.slots = {layer: i for i, layer in enumerate(self.layers)}  # model layer index -> row
-        self._ring = np.zeros((BUCKETS, len(self.layers), len(shards)), dtype=np.int64)
-        self._retired = np.zeros((len(self.layers), len(shards)), dtype=np.int64)  # buckets that left the ring
+        # per (layer, expert), then per (layer, shard): the workers' shards and the attention node
+        self._ring = np.zeros((BUCKETS, len(self.layers), len(shards) + int(shards.max()) + 2), dtype=np.int64)
+        self._retired = np.zeros(self._ring.shape[1:], dtype=np.int64)  # buckets that left the ring
         self._current = 0
         self._bucket = self._ring[0]  # a view: add() writes through it
         self._bucket_s = window_s / BUCKETS
         self._clock = clock
         self._started = self._bucket_start = clock()
 
-    def add(self, slot: int, expert_pairs: np.ndarray) -> None:
-        """slot: the layer's row (self.slots); expert_pairs: [E] int64, the layer call's tokens per expert."""
-        self._bucket[slot] += expert_pairs
+    def add(self, slot: int, expert_pairs: np.ndarray, shard_pairs: Iterable[tuple[int, int]]) -> None:
+        """slot: the layer's row (self.slots); expert_pairs: [E] int64, the layer call's tokens per expert;
+        shard_pairs: (shard, pairs) it sent, the attention node's hot experts as shard W."""
+        row = self._bucket[slot]
+        row[: len(expert_pairs)] += expert_pairs
+        for shard, pairs in shard_pairs:
+            row[len(expert_pairs) + shard] += pairs
 
     def advance(self) -> bool:
         """Move the ring to now; True when a bucket was started."""
@@ -125,6 +127,8 @@ class ExpertLoad:
     def view(self) -> LoadView:
         now = self._clock()
         window = self._ring.sum(axis=0)
+        total = self._retired + window
         covered = min((BUCKETS - 1) * self._bucket_s + now - self._bucket_start, now - self._started)
+        e = len(self.shards)
         return LoadView(self.layers, tuple(self.shards.tolist()), self.top_k, self.window_s, covered,
-                        window, self._retired + window)  # fmt: skip
+                        window[:, :e], total[:, :e], window[:, e:], total[:, e:])  # fmt: skip

@@ -303,6 +303,9 @@ class ExpertTransport:
         for channel in channels:
             self.deadlines.reset(channel)
         self.in_flight: dict[tuple[int, int], Pending] = {}
+        # Run by the Rejoiner before a worker that was down gets work again (replace.py gives it
+        # the current layout's experts); raising keeps the worker out until its next try.
+        self.prepare_rejoin: Callable[[int], None] | None = None
 
     def send(self, layer: int, micro_batch: int, x: torch.Tensor, plan: DispatchPlan) -> Pending:
         """x: [T, H] layer input. Only shards with pairs get a request."""

@@ -4,8 +4,8 @@ One daemon thread per process, started the first time a worker goes down. Every 
 asks each down worker's standard health service (grpc.health.v1); a worker that answers SERVING
 is handshaken again (its Info compared with the placement, as at start-up) and, when it matches,
 gets a fresh channel (a restarted worker's data plane has a new address or port) and is put back
-into the transport. A worker that comes back holding something else stays out, and the log says
-why, once per reason.
+into the transport, after the transport's prepare_rejoin (re-placement's extra experts). A worker
+that comes back holding something else stays out, and the log says why, once per reason.
 """
 from __future__ import annotations
 
@@ -84,12 +84,18 @@ class Rejoiner:
                 self._refusals[worker] = reason
                 logger.error("expert worker %d at %s is serving again but stays out: %s", worker, endpoint, reason)
             return False
+        assert self.transport is not None
+        try:
+            if self.transport.prepare_rejoin is not None:
+                self.transport.prepare_rejoin(worker)
+        except Exception as err:  # e.g. it could not load the current layout's experts
+            logger.warning("expert worker %d at %s answers, but stays out for now: %s", worker, endpoint, err)
+            return False
         try:
             fresh = self.open_channel(worker, info)
         except (ExpertWorkerError, ValueError) as err:
             logger.warning("expert worker %d at %s answers, but its data plane does not: %s", worker, endpoint, err)
             return False
         self._refusals.pop(worker, None)
-        assert self.transport is not None
         self.transport.rejoin(worker, fresh)
         return True
