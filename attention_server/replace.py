@@ -183,7 +183,7 @@ class Replacer:
 
     def __init__(self, placement: Placement, endpoints: tuple[str, ...], security: Security, spare_bytes: int,
                  expert_bytes: int, rebalance_above: float, workers_down: Callable[[], bool],
-                 on_take: Callable[[], None]):  # fmt: skip
+                 on_take: Callable[[], None], workers_epoch: int):  # fmt: skip
         self.placement, self.endpoints, self.security = placement, endpoints, security
         self.home = placement.shard_table()
         self.spare_experts = spare_bytes // expert_bytes
@@ -191,7 +191,9 @@ class Replacer:
             raise ValueError(f"--spare-expert-bytes {spare_bytes} holds no expert: one takes {expert_bytes} bytes")
         self.rebalance_above, self.workers_down, self.on_take = rebalance_above, workers_down, on_take
         self._current, self._ready = STATIC, None
-        self._epochs = 0  # the last epoch sent to any worker
+        # The last epoch sent to a worker: epochs only grow on a worker, which may have served an
+        # attention node before this one (workers_epoch: the highest their Info reported).
+        self._epochs = workers_epoch
         self._placing = False
         self._calls_since_take = MAX_MICROBATCHES + 1  # steps (of each micro-batch) ended since the last take
         self._quiet_until = 0.0  # no planning before (time.monotonic()): the last plan could not do better

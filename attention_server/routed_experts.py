@@ -87,7 +87,7 @@ class ExpertPool:
                     if cfg.hot_expert_bytes else None)  # fmt: skip
         self.replacer = (Replacer(placement, cfg.expert_endpoints, cfg.security(), cfg.spare_expert_bytes,
                                   expert_bytes(ckpt, workers), cfg.rebalance_above, lambda: bool(self.transport.down),
-                                  self.take_epoch)
+                                  self.take_epoch, max(info.placement_epoch for info in infos))
                          if cfg.spare_expert_bytes else None)  # fmt: skip
         if self.replacer is not None:
             self.transport.prepare_rejoin = self.replacer.restore
