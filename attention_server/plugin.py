@@ -5,6 +5,8 @@ it returns without importing anything, and vLLM runs exactly as stock.
 """
 from __future__ import annotations
 
+import logging
+
 from attention_server.config import AttentionConfig
 
 
@@ -13,8 +15,22 @@ def register() -> None:
         return
     from attention_server import routed_experts
 
+    log_like_vllm()
     allow_amx_tiles()
     routed_experts.install()
+
+
+def log_like_vllm() -> None:
+    """This package's INFO lines (placement epochs, workers going down and coming back) in vLLM's
+    processes, through vLLM's own handler and format: vLLM configures only its `vllm` logger, so
+    they would otherwise reach Python's last-resort handler, WARNING and above only."""
+    ours, vllm = logging.getLogger("attention_server"), logging.getLogger("vllm")
+    if ours.handlers or not vllm.handlers:
+        return
+    for handler in vllm.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
 
 
 def allow_amx_tiles() -> None:
