@@ -65,19 +65,21 @@ def decode_steps(pool, ckpt, tokens: int, steps: int, g: torch.Generator) -> lis
 
 
 def accounting_alone(layers: int, experts: int, top_k: int, workers: int, tokens: int, steps: int = 20000) -> dict:
-    """Microseconds per step of the window's work alone: one add per layer, the advance, and the
-    gauges set at each bucket start (timed apart, spread over the steps of a bucket at 100 steps/s)."""
+    """Microseconds per step of the window's work alone: one add per layer (the expert counts and
+    the pairs of each slice sent), the advance, and the gauges set at each bucket start (timed
+    apart, spread over the steps of a bucket at 100 steps/s)."""
     from attention_server import metrics
     from attention_server.load.window import BUCKETS, ExpertLoad
 
     rng = np.random.default_rng(0)
     shards = np.repeat(np.arange(workers), experts // workers)
     pairs = [np.bincount(rng.integers(0, experts, tokens * top_k), minlength=experts) for _ in range(layers)]
+    sent = [[(s, int(n)) for s, n in enumerate(np.bincount(shards, weights=p)) if n] for p in pairs]  # per slice
     load = ExpertLoad(range(layers), shards, top_k, DEFAULT_EXPERT_LOAD_WINDOW_S)
     start = time.perf_counter()
     for _ in range(steps):
         for slot in range(layers):
-            load.add(slot, pairs[slot])
+            load.add(slot, pairs[slot], [(shard, n) for shard, n in sent[slot]])  # as ExpertPool.record
         load.advance()
     per_step = (time.perf_counter() - start) / steps
     start = time.perf_counter()

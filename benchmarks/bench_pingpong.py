@@ -97,9 +97,10 @@ def scrape_sums(url: str) -> dict[str, float]:
     return out
 
 
-def decode_seconds(client, model: str, batch: int, tokens: int) -> float:
+def decode_seconds(client, model: str, batch: int, tokens: int, prompts: list[str] | None = None) -> float:
+    """One batch of `batch` requests (all PROMPT, or `prompts`), each decoding `tokens` tokens."""
     start = time.perf_counter()
-    client.completions.create(model=model, prompt=[PROMPT] * batch, max_tokens=tokens, temperature=0,
+    client.completions.create(model=model, prompt=prompts or [PROMPT] * batch, max_tokens=tokens, temperature=0,
                               extra_body={"ignore_eos": True})  # fmt: skip
     return time.perf_counter() - start
 
@@ -131,33 +132,35 @@ def streams(client, model: str) -> tuple[float, int]:
     return sum(tokens) / (time.perf_counter() - start), failed[0]
 
 
-def prompt_tokens(base_url: str) -> int:
-    """What the served model's tokenizer makes of PROMPT."""
+def prompt_tokens(base_url: str, prompts: list[str] | None = None) -> int:
+    """What the served model's tokenizer makes of PROMPT (of `prompts`: their mean)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
-    return client.completions.create(model=model, prompt=PROMPT, max_tokens=1).usage.prompt_tokens
+    prompts = prompts or [PROMPT]
+    return client.completions.create(model=model, prompt=prompts, max_tokens=1).usage.prompt_tokens // len(prompts)
 
 
-def measure(base_url: str, batch: int, regime: str, m: int | None) -> Point:
+def measure(base_url: str, batch: int, regime: str, m: int | None, prompts: list[str] | None = None) -> Point:
     """Decode step = (time of DECODE_TOKENS tokens - time of 1) / (DECODE_TOKENS - 1), median of
     rounds; the attention node's forward and expert wait per decode step the same way, from its
-    metrics (the 1-token request is the prefill the other also has)."""
+    metrics (the 1-token request is the prefill the other also has). The batch's requests all ask
+    PROMPT (so they route alike), or `prompts`."""
     import statistics
 
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
-    decode_seconds(client, model, batch, 4)  # warm: the batch shape compiled, caches filled
+    decode_seconds(client, model, batch, 4, prompts)  # warm: the batch shape compiled, caches filled
     url = f"{base_url}/metrics"
     steps, rates, forwards, waits, by_m = [], [], [], [], {}
     for _ in range(ROUNDS):
         s0 = scrape_sums(url)
-        one = decode_seconds(client, model, batch, 1)
+        one = decode_seconds(client, model, batch, 1, prompts)
         s1 = scrape_sums(url)
-        full = decode_seconds(client, model, batch, DECODE_TOKENS)
+        full = decode_seconds(client, model, batch, DECODE_TOKENS, prompts)
         s2 = scrape_sums(url)
 
         def decode_only(name: str) -> float:
