@@ -192,19 +192,21 @@ def plot(points: list[Placement], path: Path, layers) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.bar([pt.name for pt in points], [pt.step_ms for pt in points],
-             color=["tab:gray", "tab:orange", "tab:blue", "tab:green"][: len(points)])  # fmt: skip
+    colors = ["tab:gray", "tab:orange", "tab:blue", "tab:green"][: len(points)]
+    left.bar([pt.name for pt in points], [pt.step_ms for pt in points], color=colors)
     left.set_ylabel("decode step, ms")
     left.set_title("decode step")
     width = 0.8 / len(points)
     for i, pt in enumerate(points):
-        right.bar(np.arange(len(layers)) + (i - (len(points) - 1) / 2) * width, pt.balance, width, label=pt.name)
+        right.bar(np.arange(len(layers)) + (i - (len(points) - 1) / 2) * width, pt.balance, width, label=pt.name,
+                  color=colors[i])  # fmt: skip
     right.axhline(1.2, color="black", linestyle=":", label="1.2")
     right.set_xticks(np.arange(len(layers)), [str(layer) for layer in layers])
     right.set_xlabel("MoE layer")
     right.set_ylabel("workers' max / mean pairs")
     right.set_title("load balance over the 8 workers")
-    right.legend()
+    right.set_ylim(0, 1.4 * max(max(pt.balance) for pt in points))  # room for the legend above the bars
+    right.legend(ncol=3, loc="upper center", fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
