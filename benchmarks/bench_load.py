@@ -5,9 +5,10 @@
 Eight workers serve the embedded tiny model on loopback. A client drives decode steps through the
 attention node's own ExpertPool (attention_server/routed_experts.py): per MoE layer partition,
 send, wait, the pool's record (counters and load window) and combine, then the pool's end_step,
-as the plugin runs them, T tokens of random routing. Rounds alternate between the window on and
-off (the pool's ExpertLoad and None, as --expert-load-window 60 and 0 build it), so that drift
-falls on both; prometheus_client runs in multiprocess mode, as on the attention node.
+as the plugin runs them, T tokens of random routing. Short rounds alternate between the window on
+and off (the pool's ExpertLoad and None, as --expert-load-window 60 and 0 build it), which one goes
+first alternating too, so that drift and order fall on both; prometheus_client runs in
+multiprocess mode, as on the attention node.
 
 The accounting's own cost is a few microseconds against steps of milliseconds, below this
 machine's step-to-step noise; so the bench also times the accounting alone (every layer's add,
@@ -38,7 +39,7 @@ logger = logging.getLogger("bench_load")
 HOST = "127.0.0.1"
 NUM_WORKERS = 8
 MODES = ("on", "off")
-ROUNDS = 10  # alternating rounds; each mode gets steps / ROUNDS steps per round
+ROUNDS = 100  # alternating rounds; each mode gets steps / ROUNDS steps per round
 A3B = {"layers": 48, "experts": 128, "top_k": 8, "workers": 8}  # Qwen3-30B-A3B's MoE shape
 
 
@@ -122,8 +123,8 @@ def main() -> None:
         times = {mode: [] for mode in MODES}
         try:
             decode_steps(pool, ckpt, a.tokens, 50, g)  # warm: connections, buffers, the workers' first layers
-            for _ in range(ROUNDS):
-                for mode in MODES:
+            for i in range(ROUNDS):
+                for mode in MODES[:: 1 if i % 2 else -1]:  # which mode runs first alternates too
                     pool.load = load if mode == "on" else None
                     times[mode] += decode_steps(pool, ckpt, a.tokens, max(1, a.steps // ROUNDS), g)
         finally:
