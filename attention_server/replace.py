@@ -125,30 +125,31 @@ def worst_balance(loads: np.ndarray) -> float:
 
 def plan(counts: np.ndarray, layers: tuple[int, ...], placement: Placement, spare_experts: int) -> dict[int, np.ndarray]:
     """counts: [L, E] pairs per (layer, expert) to balance (the attention node's hot experts left out)
-    -> shares per layer that moved anything ([E, W] turns). Greedy: while a layer's busiest shard
-    is above TARGET x the mean, move as many turns of its busiest expert as fit below the mean of
-    the least busy shard that may take it (every worker holding that shard has a spare expert left,
-    or already holds it); one turn when no more fit, if that still lowers the pair's maximum."""
+    -> shares per layer that moved anything ([E, W] turns). Greedy, worst layer first (so that the
+    spare memory goes where the balance is worst): while that layer's busiest shard is above
+    TARGET x the mean, move as many turns of its busiest expert as fit below the mean of the least
+    busy shard that may take it (every worker holding that shard has a spare expert left, or
+    already holds it); one turn when no more fit, if that still lowers the pair's maximum."""
     home = placement.shard_table()
     num_experts, num_shards = len(home), placement.num_workers
-    spare = [spare_experts] * num_shards  # per worker, over all layers
+    static_turns = np.zeros((num_experts, num_shards), dtype=np.int64)
+    static_turns[np.arange(num_experts), home] = SLOTS
     static = [{e for e in range(num_experts) if _static(placement, w, e)} for w in range(num_shards)]
-    out = {}
-    for layer, row in zip(layers, counts.astype(np.float64)):
-        turns = np.zeros((num_experts, num_shards), dtype=np.int64)
-        turns[np.arange(num_experts), home] = SLOTS
-        unit = row / SLOTS
-        load = unit @ turns
-        mean = load.mean()
-        held = [set(experts) for experts in static]  # this layer's: the shards', then the extras planned
-        for _ in range(num_experts * num_shards):
-            if mean == 0 or load.max() <= TARGET * mean:
-                break
-            if not _move(turns, load, unit, mean, held, spare, placement):
-                break
-        if (turns != np.where(np.arange(num_shards) == home[:, None], SLOTS, 0)).any():
-            out[layer] = turns
-    return out
+    spare = [spare_experts] * num_shards  # per worker, over all layers
+    units = counts.astype(np.float64) / SLOTS  # [L, E] pairs per turn
+    turns = [static_turns.copy() for _ in layers]
+    loads = [unit @ static_turns for unit in units]
+    held = [[set(experts) for experts in static] for _ in layers]  # per layer: the shards', then the extras
+    open_layers = {i for i, load in enumerate(loads) if load.mean() > 0}
+    for _ in range(len(layers) * num_experts * num_shards):
+        worst = max(open_layers, key=lambda i: (loads[i].max() / loads[i].mean(), -i), default=None)
+        if worst is None:
+            break
+        load = loads[worst]
+        if load.max() <= TARGET * load.mean() or not _move(turns[worst], load, units[worst], load.mean(),
+                                                            held[worst], spare, placement):  # fmt: skip
+            open_layers.discard(worst)
+    return {layer: t for layer, t in zip(layers, turns) if (t != static_turns).any()}
 
 
 def _move(turns, load, unit, mean, held, spare, placement: Placement) -> bool:

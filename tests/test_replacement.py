@@ -6,14 +6,16 @@ the static placement (float32, the parity tests' tie rule); no request fails."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
 import numpy as np
 import pytest
 import torch
 
+from attention_server.handshake import fetch_info
 from attention_server.partition import partition
-from attention_server.replace import SLOTS, STATIC, Layout, even_slots, plan, worst_balance
+from attention_server.replace import SLOTS, STATIC, Layout, Replacer, even_slots, plan, worst_balance
 from protos.checkpoint import read_checkpoint
 from protos.placement import Placement
 from tests.support import GreedyStreams, compare, generate, scrape, start_attention, start_workers, total
@@ -95,6 +97,17 @@ def test_the_plan_brings_every_layer_near_the_mean_within_the_spare_budget():
     assert balanced <= tight < static
 
 
+def test_spare_memory_goes_to_the_worst_layer_first():
+    placement, layers = Placement(E, 2), (0, 1, 2, 3)
+    counts = np.full((4, E), 10, dtype=np.int64)
+    counts[:, 0] = [400, 1000, 700, 1000]  # expert 0, on worker 0, takes most of each layer's tokens
+    shares = plan(counts, layers, placement, spare_experts=3)  # not enough for every layer's share of expert 0
+    assert sorted(shares) == [1, 2, 3]  # layer 0, the least uneven, gets none
+    before = STATIC.loads(counts, layers, placement.shard_table(), 2)
+    after = Layout.make(1, shares, placement).loads(counts, layers, placement.shard_table(), 2)
+    assert all(after[i].max() < before[i].max() for i in (1, 2, 3))
+
+
 def test_with_replicas_every_worker_holding_the_shard_holds_its_extras():
     placement = Placement(E, W, replicas=2)
     layout = Layout.make(1, plan(skewed_counts(), (1, 3), placement, spare_experts=8), placement)
@@ -165,3 +178,32 @@ def test_a_replacement_mid_stream_keeps_the_tokens_and_survives_a_restart(model_
     assert "placement epoch" in processes.log(workers.names[helper])  # the new process took the layout
     print(f"  worker {helper} (held moved experts) killed and restarted: it took the layout again and rejoined; "
           f"tokens as on the static placement{', ties: ' + '; '.join(report) if report else ''}")
+
+
+def test_a_new_node_places_over_workers_that_served_another(model_dir, processes):
+    """Two attention nodes' Replacers, one after the other, over the same two real workers: the
+    second numbers its epochs on from what the workers report, so they take its layout too."""
+    model = model_dir("qwen3_moe")
+    ckpt = read_checkpoint(model)
+    workers = start_workers(processes, model, 2, tag="renode")
+    placement = Placement(ckpt.num_experts, 2)
+    layers = tuple(ckpt.moe_layers)
+    counts = np.full((len(layers), ckpt.num_experts), 10, dtype=np.int64)
+    counts[:, 0] = 1000  # expert 0, on worker 0, takes most tokens: a share of it goes to worker 1
+
+    def node() -> Layout:
+        infos = [fetch_info(w, e, 30, workers.security) for w, e in enumerate(workers.endpoints)]
+        replacer = Replacer(placement, tuple(workers.endpoints), workers.security, 8 * ckpt.expert_bytes, ckpt.expert_bytes,
+                            1.2, lambda: False, lambda: None, max(info.placement_epoch for info in infos))  # fmt: skip
+        replacer.offer(counts, layers, {})
+        deadline = time.monotonic() + 60
+        while (layout := replacer.current()).epoch == 0:
+            assert time.monotonic() < deadline, "the layout was not placed"
+            time.sleep(0.1)
+        return layout
+
+    first, second = node(), node()
+    assert second.epoch > first.epoch
+    assert all(0 in second.extras[1][layer] for layer in layers), second.extras
+    for w, endpoint in enumerate(workers.endpoints):
+        assert fetch_info(w, endpoint, 30, workers.security).placement_epoch == second.epoch
