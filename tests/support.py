@@ -90,11 +90,15 @@ class Processes:
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
-    def stop(self) -> None:
-        stop_pids({n: p.pid for n, p in self.procs.items()}, reap=lambda: [p.poll() for p in self.procs.values()])
-        for p in self.procs.values():
+    def stop(self, *names: str) -> None:
+        """Stop these children (default: all). A test done with its cluster stops it, so that the
+        tests after it do not share the machine's memory and cores with idle vLLM servers."""
+        procs = {n: self.procs.pop(n) for n in names} if names else dict(self.procs)
+        stop_pids({n: p.pid for n, p in procs.items()}, reap=lambda: [p.poll() for p in procs.values()])
+        for p in procs.values():
             p.wait()
-        self.procs.clear()
+        if not names:
+            self.procs.clear()
 
 
 @dataclass

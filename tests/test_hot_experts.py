@@ -68,6 +68,7 @@ def test_hot_experts_taken_mid_stream_keep_the_tokens(model_dir, processes):
     # Experts 2, 9 and 13 take 3 of a token's 4 pairs: the node took the skewed routers' favourites.
     assert hot == {str(layer): [2, 9, 13] for layer in ckpt.moe_layers}, hot
     assert 0.5 * routed < hot_pairs < routed
+    processes.stop("all-remote", "hot", *workers.names)
     print(f"\n  16 clients x {STREAM_TOKENS} tokens: {epochs:.0f} hot set(s) taken mid-stream, "
           f"{hot_pairs:.0f} of {routed:.0f} routed pairs computed on the attention node; "
           f"tokens as with every expert remote{', ties: ' + '; '.join(report) if report else ''}")  # fmt: skip

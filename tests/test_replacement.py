@@ -176,6 +176,7 @@ def test_a_replacement_mid_stream_keeps_the_tokens_and_survives_a_restart(model_
     rejoined = scrape(f"{base_url}/metrics")
     assert total(rejoined, "hetero_moe_transport_rejoins_total", worker=str(helper)) == 1
     assert "placement epoch" in processes.log(workers.names[helper])  # the new process took the layout
+    processes.stop("static", "replaced", *workers.names)
     print(f"  worker {helper} (held moved experts) killed and restarted: it took the layout again and rejoined; "
           f"tokens as on the static placement{', ties: ' + '; '.join(report) if report else ''}")
 
@@ -207,3 +208,4 @@ def test_a_new_node_places_over_workers_that_served_another(model_dir, processes
     assert all(0 in second.extras[1][layer] for layer in layers), second.extras
     for w, endpoint in enumerate(workers.endpoints):
         assert fetch_info(w, endpoint, 30, workers.security).placement_epoch == second.epoch
+    processes.stop(*workers.names)
