@@ -80,6 +80,7 @@ class Layout:
     def make(cls, epoch: int, shares: dict[int, np.ndarray], placement: Placement) -> Layout:
         home = placement.shard_table()
         extras: list[dict[int, set[int]]] = [{} for _ in range(placement.num_workers)]
+        static = [placement.worker_experts(w) for w in range(placement.num_workers)]
         routes = {}
         for layer, turns in shares.items():
             slots = np.stack([even_slots(row) for row in turns])  # [E, SLOTS]
@@ -89,7 +90,7 @@ class Layout:
             for expert, shard in zip(*np.nonzero(turns)):
                 if shard != home[expert]:
                     for worker in placement.replica_workers(int(shard)):
-                        if not _static(placement, worker, int(expert)):
+                        if int(expert) not in static[worker]:
                             extras[worker].setdefault(layer, set()).add(int(expert))
         held = tuple({layer: tuple(sorted(ids)) for layer, ids in sorted(w.items())} for w in extras)
         return cls(epoch, shares, held, routes)
@@ -112,10 +113,6 @@ class Layout:
 STATIC = Layout(0, {}, (), {})
 
 
-def _static(placement: Placement, worker: int, expert: int) -> bool:
-    return any(start <= expert < end for start, end in placement.worker_ranges(worker))
-
-
 def worst_balance(loads: np.ndarray) -> float:
     """[L, W] -> the largest max/mean over the layers that routed anything (1.0 when none did)."""
     mean = loads.mean(axis=1)
@@ -134,7 +131,7 @@ def plan(counts: np.ndarray, layers: tuple[int, ...], placement: Placement, spar
     num_experts, num_shards = len(home), placement.num_workers
     static_turns = np.zeros((num_experts, num_shards), dtype=np.int64)
     static_turns[np.arange(num_experts), home] = SLOTS
-    static = [{e for e in range(num_experts) if _static(placement, w, e)} for w in range(num_shards)]
+    static = [placement.worker_experts(w) for w in range(num_shards)]
     spare = [spare_experts] * num_shards  # per worker, over all layers
     units = counts.astype(np.float64) / SLOTS  # [L, E] pairs per turn
     turns = [static_turns.copy() for _ in layers]
@@ -241,8 +238,8 @@ class Replacer:
         """Plan from `counts`; place the plan when it beats the current layout's `now`."""
         try:
             shares = plan(counts, layers, self.placement, self.spare_experts)
-            better = worst_balance(Layout.make(0, shares, self.placement).loads(counts, layers, self.home,
-                                                                                 self.placement.num_workers))
+            # The plan's balance needs its shares only (Layout.make's deal and extras come once, when placed).
+            better = worst_balance(Layout(0, shares, (), {}).loads(counts, layers, self.home, self.placement.num_workers))
             if better > now - IMPROVEMENT:
                 logger.info("expert layout: worst layer balance %.2f over the window, and no layout within the "
                             "spare memory does better than %.2f; next look in %g s", now, better, QUIET_S)  # fmt: skip

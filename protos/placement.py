@@ -63,6 +63,10 @@ class Placement:
         """The expert ranges `worker` holds, one per shard, ascending."""
         return [self.shard_range(s) for s in self.worker_shards(worker)]
 
+    def worker_experts(self, worker: int) -> set[int]:
+        """The global expert ids `worker` holds in its shards."""
+        return {e for start, end in self.worker_ranges(worker) for e in range(start, end)}
+
     def replica_workers(self, shard: int, turn: int = 0) -> list[int]:
         """The workers holding `shard`, in the order to ask them: each turn (a layer, a micro-batch)
         starts one replica further round, which spreads the shards over their replicas while every
