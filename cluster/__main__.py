@@ -135,28 +135,32 @@ def up(a: argparse.Namespace) -> int:
         replicas, reason = choose_replicas(read_checkpoint(a.model).expert_bytes, a.workers,
                                            available_host_memory() // a.workers)  # fmt: skip
         print(f"expert replicas: {replicas} (auto: {reason})", flush=True)
-    spec = ClusterSpec(
-        model=a.model.resolve(),
-        num_workers=a.workers,
-        worker_base_port=a.worker_base_port,
-        http_port=a.port,
-        host=a.host,
-        run_dir=a.run_dir,
-        worker_threads=a.worker_threads,
-        worker_metrics_base_port=a.worker_metrics_base_port,
-        tls_dir=tls_dir(a),
-        worker_data_base_port=a.worker_data_base_port,
-        data_plane=a.data_plane,
-        pingpong_microbatches=a.pingpong_microbatches,
-        expert_replicas=replicas,
-        worker_loss_timeout_s=a.worker_loss_timeout,
-        expert_load_window_s=a.expert_load_window,
-        hot_expert_bytes=a.hot_expert_bytes,
-        spare_expert_bytes=a.spare_expert_bytes,
-        rebalance_above=a.rebalance_above,
-        vllm_args=tuple(vllm_args),
-        worker_args=worker_args(a),
-    )
+    try:
+        spec = ClusterSpec(
+            model=a.model.resolve(),
+            num_workers=a.workers,
+            worker_base_port=a.worker_base_port,
+            http_port=a.port,
+            host=a.host,
+            run_dir=a.run_dir,
+            worker_threads=a.worker_threads,
+            worker_metrics_base_port=a.worker_metrics_base_port,
+            tls_dir=tls_dir(a),
+            worker_data_base_port=a.worker_data_base_port,
+            data_plane=a.data_plane,
+            pingpong_microbatches=a.pingpong_microbatches,
+            expert_replicas=replicas,
+            worker_loss_timeout_s=a.worker_loss_timeout,
+            expert_load_window_s=a.expert_load_window,
+            hot_expert_bytes=a.hot_expert_bytes,
+            spare_expert_bytes=a.spare_expert_bytes,
+            rebalance_above=a.rebalance_above,
+            vllm_args=tuple(vllm_args),
+            worker_args=worker_args(a),
+        )
+    except ValueError as e:  # ports that clash
+        print(f"cluster up: {e}", file=sys.stderr)
+        return 2
     if (spec.run_dir / "cluster.json").exists():
         print(f"a detached cluster is recorded in {spec.run_dir}; run `python -m cluster down` first", file=sys.stderr)
         return 1

@@ -50,6 +50,24 @@ class ClusterSpec:
     vllm_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()  # e.g. --weight-format w4a16 --kernel-backend cpu
 
+    def __post_init__(self):
+        """Every port the cluster listens on is distinct: a clash found only when a process binds
+        could leave another process answering on the attention server's port."""
+        listeners = {"--port": [self.http_port],
+                     "--worker-base-port": range(self.worker_base_port, self.worker_base_port + self.num_workers),
+                     "--worker-metrics-base-port": range(self.worker_metrics_base_port,
+                                                         self.worker_metrics_base_port + self.num_workers)}  # fmt: skip
+        if self.worker_data_base_port:
+            listeners["--worker-data-base-port"] = range(self.worker_data_base_port,
+                                                         self.worker_data_base_port + self.num_workers)  # fmt: skip
+        seen: dict[int, str] = {}
+        for flag, ports in listeners.items():
+            for port in ports:
+                if port in seen:
+                    raise ValueError(f"port {port} is both {seen[port]}'s and {flag}'s: with {self.num_workers} "
+                                     f"workers each base port takes {self.num_workers} ports from the base on")
+                seen[port] = flag
+
     @property
     def endpoints(self) -> list[str]:
         return [f"{self.host}:{self.worker_base_port + i}" for i in range(self.num_workers)]
@@ -205,13 +223,19 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+# Every port this process has handed out: one picked a moment ago may not be bound yet (its
+# process is still starting), so a trial bind alone would hand it out again.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port_run(n: int, host: str = "127.0.0.1") -> int:
     """A base port with base .. base + n - 1 all free on `host`, for processes listening on base + i.
 
     The run lies below the kernel's ephemeral range: a port picked there can
     only be taken by another explicit bind, never by a process that binds port
     0 (a worker's TCP data plane, vLLM's sockets) or connects out between the
-    pick here and the listener's own bind.
+    pick here and the listener's own bind. No port is handed out twice by one
+    process, so picks made before any of them is bound never overlap.
     """
     low = 10000
     high = _ephemeral_range()[0] - n
@@ -220,11 +244,14 @@ def free_port_run(n: int, host: str = "127.0.0.1") -> int:
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(low, high)
+        if not _HANDED_OUT.isdisjoint(range(base, base + n)):
+            continue
         socks = []
         try:
             for port in range(base, base + n):
                 socks.append(socket.socket())
                 socks[-1].bind((host, port))
+            _HANDED_OUT.update(range(base, base + n))
             return base
         except OSError:
             continue
@@ -246,11 +273,7 @@ def free_worker_ports(num_workers: int, host: str = "127.0.0.1") -> dict[str, in
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """n ports free on `host` right now, below the ephemeral range (see free_port_run)."""
-    ports: list[int] = []
-    while len(ports) < n:
-        if (port := free_port_run(1, host)) not in ports:
-            ports.append(port)
-    return ports
+    return [free_port_run(1, host) for _ in range(n)]
 
 
 def _alive(pid: int) -> bool:

@@ -14,7 +14,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from cluster.launcher import wait_http_ready
+from cluster.launcher import ClusterSpec, free_port_run, wait_http_ready
 from protos.checkpoint import read_checkpoint
 from tests.support import (
     HOST, VLLM_CPU_ARGS, ClusterCounters, assert_workers_did_the_work, free_ports, free_worker_ports, port_flags, python_module,
@@ -50,6 +50,26 @@ def family_of(pids) -> list[psutil.Process]:
 
 def running(family: list[psutil.Process]) -> list[int]:
     return [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_ports_picked_before_any_is_bound_never_overlap():
+    """A cluster's HTTP port and its workers' runs are picked before anything binds them: the
+    same port handed out twice let a worker's metrics page answer as the attention server."""
+    handed = free_ports(64)
+    for _ in range(64):
+        base = free_port_run(3 * NUM_WORKERS)
+        handed += range(base, base + 3 * NUM_WORKERS)
+    assert len(set(handed)) == len(handed)
+
+
+def test_ports_that_clash_are_refused_naming_both_flags(tmp_path):
+    spec = dict(model=tmp_path, num_workers=8, host=HOST, run_dir=tmp_path, worker_threads=1, tls_dir=None)
+    ClusterSpec(**spec, http_port=50100, worker_base_port=50000, worker_metrics_base_port=50008)
+    with pytest.raises(ValueError, match="port 50007 is both --port's and --worker-base-port's"):
+        ClusterSpec(**spec, http_port=50007, worker_base_port=50000, worker_metrics_base_port=50008)
+    with pytest.raises(ValueError, match="port 50010 is both --worker-metrics-base-port's and --worker-data-base-port's"):
+        ClusterSpec(**spec, http_port=50100, worker_base_port=50000, worker_metrics_base_port=50008,
+                    worker_data_base_port=50010)
 
 
 def test_detached_cluster_serves_until_down(model_dir, tmp_path):
