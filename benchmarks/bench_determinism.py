@@ -44,7 +44,7 @@ def atomic_down_kernel(
         in_tile, offs_n = triton_w4a16._tile_offsets(nb, stride_wt, BLOCK_N, TILE_N, BLOCK_K // 4, SWAP_AB)
         acc = triton_w4a16.down_rows(
             act_ptr, stride_at, offs_m, m_mask, w_ptr + e.to(tl.int64) * stride_we + in_tile,
-            s_ptr + e.to(tl.int64) * stride_se + offs_n, offs_n < Hp, stride_sg, I,
+            s_ptr + e.to(tl.int64) * stride_se + offs_n, offs_n < Hp, stride_sg, I, 0, tl.cdiv(I, BLOCK_K),
             GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES)
         rows = tl.load(srows_ptr + offs_m, mask=m_mask, other=0)
         router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)

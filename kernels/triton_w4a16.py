@@ -26,9 +26,10 @@ GEMMs: each expert's pairs split into BLOCK_M-row blocks; one program owns (row 
 output columns), so a dequantized weight tile serves BLOCK_M rows (16-32 for decode, 64-128 for
 prefill), or, EXPERT_GRID (main's decode grid, no row-block lookup), (expert, BLOCK_N columns)
 and walks the expert's row blocks; SWAP_AB computes the transpose, the weights being the MMA's
-left operand. down writes each pair's router-weighted row to its own row of a [P, H] fp32 buffer;
-combine_kernel (one program per row and column block) sums a row's pairs in pair order. No float
-atomics: the output is bitwise the same run to run. gate_up also zeroes a slice of `out` (rows
+left operand. down writes each pair's router-weighted row to its own row of a [P, H] fp32 buffer
+(SPLIT_K > 1: one such slice per run of k-blocks, each run its own programs); combine_kernel (one
+program per row and column block) sums a row's pairs in (slice, pair) order. No float atomics: the
+output is bitwise the same run to run. gate_up also zeroes a slice of `out` (rows
 without pairs stay zero).
 """
 from __future__ import annotations
@@ -566,36 +567,54 @@ def down_kernel(
     spairs_ptr, sweights_ptr, bounds_ptr, stride_b,  # [P] int32 pair index, [P] fp32 router weight, [E+1]
     w_ptr, stride_we, stride_wt,  # [E, Hp/TN, Ip/BK, TN, BK/4] int16
     s_ptr, stride_se, stride_sg,  # [E, Ip/G, Hp] fp32
-    part_ptr, stride_pp,  # [P, H] fp32 out: each pair's router-weighted row, at its pair index
+    part_ptr, stride_ps, stride_pp,  # [SPLIT_K, P, H] fp32 out: each pair's router-weighted row (its share of
+    # the k-blocks), at its pair index
     num_n, num_m, E, H, Hp, I,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr, SCALE_W: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr, EXPERT_GRID: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """One program: BLOCK_M sorted positions of one expert x BLOCK_N output columns (program = _work_item's),
-    or EXPERT_GRID each of the expert's row blocks in turn (program = column block * E + expert)."""
+    or EXPERT_GRID each of the expert's row blocks in turn (program = column block * E + expert). SPLIT_K > 1:
+    the k-blocks split into SPLIT_K equal runs, program + split * (programs of one split) takes run `split`
+    and writes slice `split` of part (combine_kernel adds the slices in order)."""
     pid = tl.program_id(0)
+    num_kb = tl.cdiv(I, BLOCK_K)
+    if SPLIT_K == 1:
+        b_lo = 0
+        b_hi = num_kb
+    else:
+        if EXPERT_GRID:
+            per_split = num_n * E
+        else:
+            per_split = num_n * num_m
+        split = pid // per_split
+        pid = pid - split * per_split
+        b_lo = split * tl.cdiv(num_kb, SPLIT_K)
+        b_hi = tl.minimum(b_lo + tl.cdiv(num_kb, SPLIT_K), num_kb)
+        part_ptr += split.to(tl.int64) * stride_ps
     if EXPERT_GRID:
         e = pid % E
         nb = pid // E
         end = tl.load(bounds_ptr + (e + 1) * stride_b)
         for m0 in range(tl.load(bounds_ptr + e * stride_b), end, BLOCK_M):
             _down_block(act_ptr, stride_at, spairs_ptr, sweights_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt,
-                        s_ptr, stride_se, stride_sg, part_ptr, stride_pp, H, Hp, I, GROUP, BLOCK_K, BLOCK_M, BLOCK_N,
+                        s_ptr, stride_se, stride_sg, part_ptr, stride_pp, H, Hp, I, b_lo, b_hi, GROUP, BLOCK_K, BLOCK_M, BLOCK_N,
                         TILE_N, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES)
     else:
         e, m0, end, nb = _work_item(pid, num_n, num_m, bounds_ptr, stride_b, E, BLOCK_M, BLOCK_E, GROUP_M)
         if e < E:
             _down_block(act_ptr, stride_at, spairs_ptr, sweights_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt,
-                        s_ptr, stride_se, stride_sg, part_ptr, stride_pp, H, Hp, I, GROUP, BLOCK_K, BLOCK_M, BLOCK_N,
+                        s_ptr, stride_se, stride_sg, part_ptr, stride_pp, H, Hp, I, b_lo, b_hi, GROUP, BLOCK_K, BLOCK_M, BLOCK_N,
                         TILE_N, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES)
 
 
 @triton.jit
 def _down_block(
     act_ptr, stride_at, spairs_ptr, sweights_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt, s_ptr, stride_se,
-    stride_sg, part_ptr, stride_pp, H, Hp, I,
+    stride_sg, part_ptr, stride_pp, H, Hp, I, b_lo, b_hi,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
     SCALE_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -605,7 +624,7 @@ def _down_block(
     m_mask = offs_m < end
     in_tile, offs_n = _tile_offsets(nb, stride_wt, BLOCK_N, TILE_N, BLOCK_K // 4, SWAP_AB)
     acc = down_rows(act_ptr, stride_at, offs_m, m_mask, w_ptr + e.to(tl.int64) * stride_we + in_tile,
-                    s_ptr + e.to(tl.int64) * stride_se + offs_n, offs_n < Hp, stride_sg, I,
+                    s_ptr + e.to(tl.int64) * stride_se + offs_n, offs_n < Hp, stride_sg, I, b_lo, b_hi,
                     GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K,
                     EVEN_N, NUM_STAGES)
     pairs = tl.load(spairs_ptr + offs_m, mask=m_mask, other=0)
@@ -616,19 +635,19 @@ def _down_block(
 
 @triton.jit
 def down_rows(
-    act_ptr, stride_at, offs_m, m_mask, w_base, s_base, n_ok, stride_sg, I,
+    act_ptr, stride_at, offs_m, m_mask, w_base, s_base, n_ok, stride_sg, I, b_lo, b_hi,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
     SCALE_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """[BM, BN] fp32: act rows offs_m (sorted positions) @ one expert's BN weight rows (w_base: _tile_offsets;
-    n_ok: rows below the padded N)."""
+    n_ok: rows below the padded N), over k-blocks [b_lo, b_hi) (all: 0, cdiv(I, BLOCK_K))."""
     a_base, row_mask, cols = _x_pointers(act_ptr, offs_m, stride_at, m_mask, BLOCK_K, SCALE_W, SWAP_AB)
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for b in tl.range(0, tl.cdiv(I, BLOCK_K), num_stages=NUM_STAGES):
+    for b in tl.range(b_lo, b_hi, num_stages=NUM_STAGES):
         w = _load_w(w_base + b * (TILE_N * BLOCK_K // 4), n_ok, SWAP_AB, EVEN_N)
         w0, w1, w2, w3 = _split_quarters(w, IS_BF16, USE_PTX)
         if SCALE_W:
@@ -644,12 +663,13 @@ def down_rows(
 
 @triton.jit
 def combine_kernel(
-    part_ptr, stride_pp,  # [P, H] fp32 router-weighted pair rows (down_kernel)
+    part_ptr, stride_ps, stride_pp,  # [SPLITS, P, H] fp32 router-weighted pair rows (down_kernel's k-splits)
     cpairs_ptr, rbounds_ptr, stride_rb,  # [P] int32 pair index sorted by (row, pair); [T+1] int32 (strided)
     out_ptr, stride_ot,  # [T, H] fp32; rows without pairs keep the zeros gate_up wrote
-    H, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    H, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    """out[t] = row t's pairs' rows summed in pair order, BLOCK_R at a time: a fixed order, no atomics.
+    """out[t] = row t's pairs' rows summed in pair order, BLOCK_R at a time, split after split: a fixed
+    order, no atomics.
 
     Program (t, nb): row t's pairs are positions [rbounds[t], rbounds[t+1]) of cpairs. One program per
     row, not per position: no programs that only find they start no run.
@@ -660,11 +680,12 @@ def combine_kernel(
     lo = tl.load(rbounds_ptr + t * stride_rb)
     hi = tl.load(rbounds_ptr + (t + 1) * stride_rb)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k in range(lo, hi, BLOCK_R):
-        offs_k = k + tl.arange(0, BLOCK_R)  # [BR]
-        mine = offs_k < hi
-        pairs = tl.load(cpairs_ptr + offs_k, mask=mine, other=0).to(tl.int64)
-        part = tl.load(part_ptr + pairs[:, None] * stride_pp + offs_n[None, :], mask=mine[:, None] & n_mask[None, :],
-                       other=0.0)  # [BR, BN]
-        acc += tl.sum(part, axis=0)
+    for sp in tl.static_range(SPLITS):
+        for k in range(lo, hi, BLOCK_R):
+            offs_k = k + tl.arange(0, BLOCK_R)  # [BR]
+            mine = offs_k < hi
+            pairs = tl.load(cpairs_ptr + offs_k, mask=mine, other=0).to(tl.int64)
+            part = tl.load(part_ptr + sp * stride_ps + pairs[:, None] * stride_pp + offs_n[None, :],
+                           mask=mine[:, None] & n_mask[None, :], other=0.0)  # [BR, BN]
+            acc += tl.sum(part, axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, acc, mask=tl.where(hi > lo, n_mask, False))

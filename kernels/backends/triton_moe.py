@@ -5,8 +5,8 @@
                     route_scatter_kernel, and for rows of more than 8 bits digit_count_kernel,
                     cumsum, digit_scatter_kernel per further digit)
     gate_up_kernel: x[rows] @ w13[e]^T -> act(gate) * up          [P, I]  (fp16/bf16); zeroes out
-    down_kernel:    act @ w2[e]^T * router weight -> pair rows     [P, H]  (fp32)
-    combine_kernel: each row's pair rows summed in pair order       [T, H]  (fp32), one program per row
+    down_kernel:    act @ w2[e]^T * router weight -> pair rows     [S, P, H]  (fp32; S = split_k runs of k)
+    combine_kernel: each row's pair rows summed in (split, pair) order  [T, H]  (fp32), one program per row
 No float atomics anywhere: the output is bitwise identical run to run.
 Kernels and weight layout: kernels/triton_w4a16.py.
 """
@@ -47,7 +47,9 @@ class TritonConfig:
     scale_weights applies the group scales to the 16-bit weights instead of each group's fp32 partial.
     group_m row blocks take each column block in turn. expert_grid launches main's decode grid
     instead: one program per (expert, column block), walking the expert's row blocks (no row-block
-    lookup). num_warps_down / num_stages_down default to num_warps / num_stages.
+    lookup). num_warps_down / num_stages_down default to num_warps / num_stages. split_k > 1 splits down's
+    k-blocks into that many runs, each its own programs and its own [P, H] slice of the pair rows, which
+    the combine adds in split order (more programs in flight for few large experts; still no atomics).
 
     Decode (<= 16 pairs per expert), H200, Qwen3-30B-A3B shapes, graph time at 1 / 8 tokens per
     expert (bench_kernel --sweep, two runs, 2026-11-29): this default 101-102 / 108-111 us; 4 stages
@@ -73,8 +75,11 @@ class TritonConfig:
     tile_n_gate_up: int = 64
     tile_n_down: int = 128
     expert_grid: bool = False
+    split_k: int = 1
 
     def __post_init__(self) -> None:
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, not {self.split_k}")
         if self.block_k not in BLOCK_KS:
             raise ValueError(f"block_k must be one of {BLOCK_KS}, not {self.block_k}")
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
@@ -332,33 +337,35 @@ class TritonExperts(PreparedExperts):
         return act, out
 
     def down(self, act, routes: Routes, cfg: TritonConfig) -> torch.Tensor:
-        """-> [P, H] fp32: row p is pair p's router * (act @ w2^T)."""
+        """-> [split_k, P, H] fp32: row p of slice s is pair p's router * (act @ w2^T) over split s's k-blocks."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         w2 = self.w2
-        part = torch.empty(act.shape[0], h, dtype=torch.float32, device=act.device)  # [P, H]
+        part = torch.empty(cfg.split_k, act.shape[0], h, dtype=torch.float32, device=act.device)  # [S, P, H]
         num_n, num_m = _cdiv(w2.padded_rows, cfg.block_n_down), self._row_blocks(act.shape[0], cfg)
-        self.kernels.down_kernel[(num_n * (e if cfg.expert_grid else num_m),)](
+        self.kernels.down_kernel[(num_n * (e if cfg.expert_grid else num_m) * cfg.split_k,)](
             act, act.stride(0),
             routes.pairs, routes.router, routes.bounds, routes.bounds.stride(0),
             w2.w, w2.w.stride(0), w2.w.stride(1),
             w2.s, w2.s.stride(0), w2.s.stride(1),
-            part, part.stride(0),
+            part, part.stride(0), part.stride(1),
             num_n, num_m, e, h, w2.padded_rows, i,
             GROUP=w2.group_size, BLOCK_K=w2.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
             TILE_N=w2.block_n, GROUP_M=cfg.group_m, BLOCK_E=_expert_slots(e),
             IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), SWAP_AB=cfg.swap_ab,
             SCALE_W=cfg.scale_weights, EVEN_K=i % w2.block_k == 0, EVEN_N=w2.padded_rows % cfg.block_n_down == 0,
-            NUM_STAGES=cfg.num_stages_down or cfg.num_stages, EXPERT_GRID=cfg.expert_grid,
+            NUM_STAGES=cfg.num_stages_down or cfg.num_stages, EXPERT_GRID=cfg.expert_grid, SPLIT_K=cfg.split_k,
             num_warps=cfg.num_warps_down or cfg.num_warps,
         )
         return part
 
     def combine(self, part, routes: Routes, out) -> None:
-        """out[row] = sum of its pairs' rows of `part`, in pair order (rows without pairs untouched)."""
+        """out[row] = sum of its pairs' rows of `part` [S, P, H], in (split, pair) order (rows without pairs
+        untouched)."""
         h = self.hidden_size
         self.kernels.combine_kernel[(out.shape[0], _cdiv(h, COMBINE_BLOCK_N))](
-            part, part.stride(0), routes.cpairs, routes.row_bounds, routes.row_bounds.stride(0), out, out.stride(0),
-            h, BLOCK_R=COMBINE_BLOCK_R, BLOCK_N=COMBINE_BLOCK_N, num_warps=2,
+            part, part.stride(0), part.stride(1), routes.cpairs, routes.row_bounds, routes.row_bounds.stride(0),
+            out, out.stride(0), h, BLOCK_R=COMBINE_BLOCK_R, BLOCK_N=COMBINE_BLOCK_N, SPLITS=part.shape[0],
+            num_warps=2,
         )
 
 

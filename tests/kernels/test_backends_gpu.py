@@ -65,6 +65,9 @@ def test_triton_matches_reference(cuda, moe_problem, rel_error, hidden, inter, g
         # prefill operands
         TritonConfig(expert_grid=True),
         TritonConfig(block_m=32, block_n_gate_up=128, num_warps=8, swap_ab=True, scale_weights=True, expert_grid=True),
+        # down's k-blocks split (I 192: two k-blocks), over row blocks and on main's grid (a third split empty)
+        TritonConfig(num_warps=2, num_warps_down=4, num_stages_down=4, split_k=2),
+        TritonConfig(num_warps=2, num_stages_down=4, split_k=3, expert_grid=True),
     ],
 )
 def test_triton_configs_and_gelu(cuda, moe_problem, rel_error, config):

@@ -45,7 +45,8 @@ def main() -> None:
     # (experts, hidden, inter, group, tokens per expert, rows, config): partial N tiles, 2 M tiles,
     # gelu; rows None = 2 * tokens + 1. The third puts all 20 pairs on one row: the combine adds
     # more than one window (COMBINE_BLOCK_R = 8) of a row's pairs. The fourth launches main's decode
-    # grid (a program per expert and column block walks the expert's two row blocks). The last two take the prefill
+    # grid (a program per expert and column block walks the expert's two row blocks), down's one k-block split
+    # three ways (two empty splits); the last splits down's two k-blocks in two. The last two take the prefill
     # path (weights as the left operand with the scales on them, blocks of two stored tiles, the last
     # one partial: N 160 padded to 192 against blocks of 128; three row blocks per expert, two per
     # column turn), the second without swapping and with scales on the partials.
@@ -55,10 +56,10 @@ def main() -> None:
         (3, 160, 96, 32, 1, None, TritonConfig(block_n_gate_up=64, block_n_down=64, tile_n_down=64), "silu"),
         (2, 192, 64, 64, 17, None, TritonConfig(block_n_gate_up=32, tile_n_gate_up=32), "gelu"),
         (20, 128, 64, 32, 1, 1, TritonConfig(), "silu"),
-        (3, 160, 96, 32, 17, None, TritonConfig(expert_grid=True), "gelu"),
+        (3, 160, 96, 32, 17, None, TritonConfig(expert_grid=True, split_k=3), "gelu"),
         (3, 160, 160, 32, 70, None, prefill, "silu"),
-        (2, 128, 160, 32, 70, None, TritonConfig(block_m=32, block_n_gate_up=128, block_n_down=128, group_m=3),
-         "gelu"),
+        (2, 128, 160, 32, 70, None, TritonConfig(block_m=32, block_n_gate_up=128, block_n_down=128, group_m=3,
+                                                 split_k=2), "gelu"),
     ]
     for experts, hidden, inter, group, tokens, rows, config, activation in cases:
         def int4(n: int, k: int) -> Int4Weights:
