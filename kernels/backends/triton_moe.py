@@ -34,6 +34,10 @@ FEW_EXPERTS = 16  # for_load: up to here a layer's experts are few and large (Mi
 # pairs (the branch's 116-154); at 2048 pairs the counting passes took 16.8 us and main's layer 158 against 139.
 ROUTE_SORT_MAX_PAIRS = 1024
 ROUTE_SORT_MAX_ROWS = 1024  # ... if the rows are this few too (T * the sort's block stays below 2^31)
+# Warps of the sorting program: 8 above 256 pairs. H200, Qwen3 shapes, 2026-12-02 (graph us, warps 4 / 8 / 16 / 32):
+# 128 pairs 6.6 / 6.3 / 6.8 / 5.9, 256 4.9 / 5.1 / 5.6 / 7.9, 512 7.1 / 6.5 / 7.0 / 9.3, 1024 16.6 / 11.6 / 11.4 / 12.0;
+# at 2048 pairs the sort took 52.6 / 33.9 / 24.3 / 22.8 against the counting passes' 16.9.
+ROUTE_SORT_WARPS, ROUTE_SORT_WARPS_FEW, ROUTE_SORT_FEW_PAIRS = 8, 4, 256
 ROUTE_COMPARE_BLOCK = 32  # pairs a counting program compares its own with per step
 
 
@@ -95,7 +99,19 @@ class TritonConfig:
         """The fastest configuration bench_kernel --sweep measured for the load (H200, Triton 3.6,
         2026-12-02, commit 4344a33, graph time per tokens-per-expert M):
 
-        decode (M <= 16): few large experts (Mixtral, E = 8): 4 stages, 1-2% faster at M = 1-8; at
+        decode (M <= 16), re-measured per launch on the branch kernels-decode (2026-12-02, graph us of
+        gate_up and down alone, at M = 1 / 4 / 16): gate_up with 2 warps (3 stages, 64-column blocks) took
+        134.7 / 135.8 / 143.5 (Mixtral) and 62.8 / 63.0 / 64.6 (Qwen3) against 4 warps' 141.2 / 142.4 / 148.5
+        and 64.9 / 65.8 / 70.4; 1 warp, 2 / 4 / 5 stages or 128 / 256 columns were slower. Down: few large
+        experts (Mixtral, 256 programs of 112 k-blocks without a split) with the k-blocks split in 2, 4
+        warps, 4 stages: 70.7 / 71.3 / 75.0 against 77.0 / 77.3 / 89.9 (4 stages; at 16 tiles of 256 rows
+        with 8 warps); a split in 4 72.4 / 73.0 / 77.4. Many small experts (Qwen3, 6 k-blocks) with 2 warps
+        and 4 stages: 36.7 / 37.8 / 42.9 against 37.4 / 38.3 / 46.2; splitting k there cost 10-25 us.
+        The whole layer (graph us at M = 1 / 2 / 4 / 8 / 16, before -> with these): Mixtral 220.8 / 221.6 /
+        222.7 / 226.3 / 242.6 -> 209.5 / 210.8 / 210.5 / 215.0 / 223.0; Qwen3 126.6 -> 120.7 at 8 and
+        139.1 -> 132.0 at 16, but 106.4 / 109.7 / 113.5 -> 109.0 / 110.5 / 113.6 at 1 / 2 / 4, so up to
+        M = 4 many small experts keep 4 warps.
+        Before (same date, commit 4344a33): few large experts: 4 stages, 1-2% faster at M = 1-8; at
         M = 16 down tiles of 256 rows with 8 warps, 246 against 265 us. Many small experts (Qwen3,
         E = 128): this default, and up to M = 8 on main's grid (expert_grid): the row-block grid
         (commit c827664, routing ranked or counted) took 116 / 154 / 147 / 150 us at M = 1 / 2 / 4 /
@@ -113,8 +129,10 @@ class TritonConfig:
         few = num_experts <= FEW_EXPERTS
         if per_expert <= 16:
             if few:
-                return cls(num_stages=4) if per_expert <= 8 else cls(block_n_down=256, num_warps_down=8)
-            return cls(expert_grid=per_expert <= 8)
+                return cls(num_warps=2, num_warps_down=4, num_stages_down=4, split_k=2)
+            if per_expert <= 4:
+                return cls(expert_grid=True)
+            return cls(num_warps=2, num_stages_down=4, expert_grid=per_expert <= 8)
         if per_expert < 48:
             return cls(block_m=32)
         if per_expert > 64:
@@ -244,7 +262,8 @@ class TritonExperts(PreparedExperts):
             self.kernels.sort_route_kernel[(1,)](
                 pair_experts, pair_rows, pair_weights, p, e, num_rows, bounds, rows, router, pairs, crows, cpairs,
                 row_bounds, BLOCK_P=max(16, _next_pow2(p)), BLOCK_E=_next_pow2(e + 1),
-                BLOCK_T=_next_pow2(num_rows + 1), num_warps=4,
+                BLOCK_T=_next_pow2(num_rows + 1),
+                num_warps=ROUTE_SORT_WARPS_FEW if p <= ROUTE_SORT_FEW_PAIRS else ROUTE_SORT_WARPS,
             )
             return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds)
         row_bits = max(1, (num_rows - 1).bit_length())
