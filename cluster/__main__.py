@@ -22,7 +22,7 @@ from pathlib import Path
 
 from attention_server.config import DATA_PLANES, bytes_flag, microbatches_flag
 from cluster.certs import has_certs, make_certs, reuse_or_make
-from cluster.launcher import Cluster, ClusterSpec, stop_detached
+from cluster.launcher import Cluster, ClusterSpec, PortClashError, stop_detached
 from protos import security
 from protos.checkpoint import read_checkpoint
 from protos.placement import available_host_memory, choose_replicas, replicas_flag
@@ -158,7 +158,7 @@ def up(a: argparse.Namespace) -> int:
             vllm_args=tuple(vllm_args),
             worker_args=worker_args(a),
         )
-    except ValueError as e:  # ports that clash
+    except PortClashError as e:
         print(f"cluster up: {e}", file=sys.stderr)
         return 2
     if (spec.run_dir / "cluster.json").exists():

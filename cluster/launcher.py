@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 STOP_GRACE_S = 20.0
 
 
+class PortClashError(ValueError):
+    """Two of a cluster's listeners were given the same port."""
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
     model: Path
@@ -64,7 +68,7 @@ class ClusterSpec:
         for flag, ports in listeners.items():
             for port in ports:
                 if port in seen:
-                    raise ValueError(f"port {port} is both {seen[port]}'s and {flag}'s: with {self.num_workers} "
+                    raise PortClashError(f"port {port} is both {seen[port]}'s and {flag}'s: with {self.num_workers} "
                                      f"workers each base port takes {self.num_workers} ports from the base on")
                 seen[port] = flag
 
