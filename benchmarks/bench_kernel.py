@@ -399,7 +399,7 @@ def triton_breakdown(experts, problems, device, iters) -> list[dict]:
             "torch sorts": lambda p=p: (torch.sort(p.pair_experts, stable=True), torch.sort(p.pair_rows, stable=True)),
             "gate_up": lambda: experts.gate_up(p.hidden, routes, cfg),
             "down": lambda: experts.down(act, routes, cfg),
-            "combine": lambda: experts.combine(part, routes, result),
+            "combine": lambda: experts.combine(part, routes, result, cfg),
             "all": lambda p=p: experts(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights),
         }
         times = {name: time_graph(fn, device, iters) for name, fn in parts.items()}

@@ -31,11 +31,17 @@ left operand. down writes each pair's router-weighted row to its own row of a [P
 program per row and column block) sums a row's pairs in (slice, pair) order. No float atomics: the
 output is bitwise the same run to run. gate_up also zeroes a slice of `out` (rows
 without pairs stay zero).
+Dependent launches (USE_GDC: CUDA, sm_90+, launched with launch_pdl): gate_up, down and the combine may
+start while the launch before them still runs (each signals its dependents when it starts), so their
+programs are resident and set up when the previous launch ends. They wait for it (gdc_wait) before
+touching memory: what it writes, and any buffer the caching allocator may have handed over from a tensor
+freed behind it.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -234,7 +240,7 @@ def sort_route_kernel(
     experts_ptr, rows_ptr, weights_ptr, P, E, T,  # [P] local expert, row (< T), router weight of each pair
     bounds_ptr, srows_ptr, sweights_ptr, spairs_ptr,  # out: [E+1] int32; [P] row, fp32 weight, pair by expert
     crows_ptr, cpairs_ptr, rbounds_ptr,  # out: [P] int32 row and pair sorted by (row, pair); [T+1] int32
-    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """Both stable orders in one program, for P <= BLOCK_P (decode): tl.sort of key * BLOCK_P + pair
     index (main's route_kernel), so the order depends only on the inputs; bounds[e] = pairs of experts
@@ -317,9 +323,11 @@ def route_scatter_kernel(
     starts_ptr, stride_s, num_blocks,  # [2, 1 + NUM_DIGITS * num_blocks] int32: route_count_kernel's, cumsum
     srows_ptr, sweights_ptr, spairs_ptr,  # out: [P] row, fp32 router weight, pair index by expert
     crows_ptr, cpairs_ptr,  # out: [P] row and pair index by the rows' low digit (then pair)
-    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, NUM_DIGITS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, NUM_DIGITS: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """The first pass: every pair to its place by expert and by row digit, both stable."""
+    if USE_GDC:  # the last routing launch when this pass sorts whole rows
+        gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     valid = offs < P
     row = tl.load(rows_ptr + offs, mask=valid, other=0).to(tl.int32)
@@ -361,10 +369,12 @@ def digit_scatter_kernel(
 def row_bounds_kernel(
     crows_ptr, P, T, steps,  # [P] int32 rows in ascending order; steps >= bit_length(P)
     rbounds_ptr,  # out: [T+1] int32, the first position of each row (P past the last)
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """rbounds[t] = first j with crows[j] >= t, by a binary search per t (for rows sorted in several passes,
     whose last pass's starts are digit starts, not row starts)."""
+    if USE_GDC:
+        gdc_launch_dependents()
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     lo = tl.zeros([BLOCK_T], dtype=tl.int32)
     hi = tl.zeros([BLOCK_T], dtype=tl.int32) + P
@@ -487,12 +497,15 @@ def gate_up_kernel(
     TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     ACTIVATION: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
     SCALE_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-    ZERO_BLOCK: tl.constexpr, EXPERT_GRID: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr, EXPERT_GRID: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """One program: BLOCK_N gate columns and their up columns of BLOCK_M sorted positions of one expert
     (program = _work_item's), or EXPERT_GRID of each of the expert's row blocks in turn (program =
     column block * E + expert)."""
     pid = tl.program_id(0)
+    if USE_GDC:
+        gdc_launch_dependents()
+        gdc_wait()  # the routing's output, and `out` (its memory may have been a tensor the routing still reads)
     z_end = tl.minimum(pid * zero_chunk + zero_chunk, zero_numel)  # this program's slice of the output
     for z in range(pid * zero_chunk, z_end, ZERO_BLOCK):
         offs_z = z + tl.arange(0, ZERO_BLOCK)
@@ -574,7 +587,7 @@ def down_kernel(
     TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr, SCALE_W: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr, EXPERT_GRID: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """One program: BLOCK_M sorted positions of one expert x BLOCK_N output columns (program = _work_item's),
     or EXPERT_GRID each of the expert's row blocks in turn (program = column block * E + expert). SPLIT_K > 1:
@@ -595,6 +608,9 @@ def down_kernel(
         b_lo = split * tl.cdiv(num_kb, SPLIT_K)
         b_hi = tl.minimum(b_lo + tl.cdiv(num_kb, SPLIT_K), num_kb)
         part_ptr += split.to(tl.int64) * stride_ps
+    if USE_GDC:
+        gdc_launch_dependents()
+        gdc_wait()  # gate_up's act
     if EXPERT_GRID:
         e = pid % E
         nb = pid // E
@@ -666,7 +682,7 @@ def combine_kernel(
     part_ptr, stride_ps, stride_pp,  # [SPLITS, P, H] fp32 router-weighted pair rows (down_kernel's k-splits)
     cpairs_ptr, rbounds_ptr, stride_rb,  # [P] int32 pair index sorted by (row, pair); [T+1] int32 (strided)
     out_ptr, stride_ot,  # [T, H] fp32; rows without pairs keep the zeros gate_up wrote
-    H, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    H, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """out[t] = row t's pairs' rows summed in pair order, BLOCK_R at a time, split after split: a fixed
     order, no atomics.
@@ -674,6 +690,8 @@ def combine_kernel(
     Program (t, nb): row t's pairs are positions [rbounds[t], rbounds[t+1]) of cpairs. One program per
     row, not per position: no programs that only find they start no run.
     """
+    if USE_GDC:
+        gdc_wait()  # down's pair rows
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = offs_n < H

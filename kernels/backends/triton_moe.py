@@ -7,12 +7,15 @@
     gate_up_kernel: x[rows] @ w13[e]^T -> act(gate) * up          [P, I]  (fp16/bf16); zeroes out
     down_kernel:    act @ w2[e]^T * router weight -> pair rows     [S, P, H]  (fp32; S = split_k runs of k)
     combine_kernel: each row's pair rows summed in (split, pair) order  [T, H]  (fp32), one program per row
-No float atomics anywhere: the output is bitwise identical run to run.
+No float atomics anywhere: the output is bitwise identical run to run. On CUDA sm_90+ gate_up, down and
+the combine are programmatic dependent launches: each may start under the launch before it and waits for it
+before touching memory.
 Kernels and weight layout: kernels/triton_w4a16.py.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 from dataclasses import dataclass
 
@@ -54,6 +57,13 @@ class TritonConfig:
     lookup). num_warps_down / num_stages_down default to num_warps / num_stages. split_k > 1 splits down's
     k-blocks into that many runs, each its own programs and its own [P, H] slice of the pair rows, which
     the combine adds in split order (more programs in flight for few large experts; still no atomics).
+    dependent_launch: programmatic dependent launch (kernels/triton_w4a16.py) where the GPU has it: H200, graph
+    us of the whole layer without / with it (2026-12-02, one run), Qwen3 at M = 1 / 2 / 4 / 8 / 16 109.1 /
+    111.1 / 114.2 / 122.4 / 133.5 -> 106.1 / 108.8 / 111.7 / 120.2 / 133.1, Mixtral at M = 1 / 4 / 8 / 16
+    211.7 / 213.8 / 219.3 / 227.9 -> 209.9 / 212.4 / 217.6 / 226.3, prefill within 2 us. Programs that asked
+    L2 for their first 2 / 4 / 8 weight k-blocks before waiting were slower (Qwen3 M = 1: 107.2 / 109.7 /
+    116.8 against 106.8), and so were register caps of 96 / 80 per thread for more programs per SM (spills:
+    Qwen3 M = 1 111.5 / 117.4 against 106.1, M = 8 198.8 against 120.2).
 
     Decode (<= 16 pairs per expert), H200, Qwen3-30B-A3B shapes, graph time at 1 / 8 tokens per
     expert (bench_kernel --sweep, two runs, 2026-11-29): this default 101-102 / 108-111 us; 4 stages
@@ -80,6 +90,7 @@ class TritonConfig:
     tile_n_down: int = 128
     expert_grid: bool = False
     split_k: int = 1
+    dependent_launch: bool = True  # CUDA sm_90+ only: gate_up, down and combine start under the launch before
 
     def __post_init__(self) -> None:
         if self.split_k < 1:
@@ -262,7 +273,7 @@ class TritonExperts(PreparedExperts):
             self.kernels.sort_route_kernel[(1,)](
                 pair_experts, pair_rows, pair_weights, p, e, num_rows, bounds, rows, router, pairs, crows, cpairs,
                 row_bounds, BLOCK_P=max(16, _next_pow2(p)), BLOCK_E=_next_pow2(e + 1),
-                BLOCK_T=_next_pow2(num_rows + 1),
+                BLOCK_T=_next_pow2(num_rows + 1), USE_GDC=has_dependent_launch(dev),
                 num_warps=ROUTE_SORT_WARPS_FEW if p <= ROUTE_SORT_FEW_PAIRS else ROUTE_SORT_WARPS,
             )
             return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds)
@@ -277,6 +288,7 @@ class TritonExperts(PreparedExperts):
         self.kernels.route_scatter_kernel[(blocks,)](
             pair_experts, pair_rows, pair_weights, p, starts, starts.stride(0), blocks,
             rows, router, pairs, crows, cpairs, BLOCK_P=block_p, BLOCK_C=ROUTE_COMPARE_BLOCK, NUM_DIGITS=digits,
+            USE_GDC=has_dependent_launch(dev),
         )
         bounds = starts[0, ::blocks][: e + 1]  # [E+1] int32, strided: expert d's run starts at block 0's start
         done = digits.bit_length() - 1  # row bits the first pass sorted by
@@ -288,7 +300,8 @@ class TritonExperts(PreparedExperts):
             crows, cpairs = self._row_pass(crows, cpairs, done + i * width, 1 << width)
         row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=dev)
         self.kernels.row_bounds_kernel[(_cdiv(num_rows + 1, ROW_BOUNDS_BLOCK),)](
-            crows, p, num_rows, p.bit_length(), row_bounds, BLOCK_T=ROW_BOUNDS_BLOCK, num_warps=4,
+            crows, p, num_rows, p.bit_length(), row_bounds, BLOCK_T=ROW_BOUNDS_BLOCK, USE_GDC=has_dependent_launch(dev),
+            num_warps=4,
         )
         return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds)
 
@@ -321,7 +334,7 @@ class TritonExperts(PreparedExperts):
         cfg = self.config or TritonConfig.for_load(num_pairs, self.num_experts)
         routes = self.route(pair_rows, pair_experts, pair_weights, x.shape[0])
         act, out = self.gate_up(x, routes, cfg)
-        self.combine(self.down(act, routes, cfg), routes, out)
+        self.combine(self.down(act, routes, cfg), routes, out, cfg)
         return out
 
     def _row_blocks(self, num_pairs: int, cfg: TritonConfig) -> int:
@@ -351,7 +364,8 @@ class TritonExperts(PreparedExperts):
             ACTIVATION=self.activation, IS_BF16=x.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, x),
             SWAP_AB=cfg.swap_ab, SCALE_W=cfg.scale_weights, EVEN_K=h % w13.block_k == 0,
             EVEN_N=w13.padded_rows % cfg.block_n_gate_up == 0,
-            NUM_STAGES=cfg.num_stages, ZERO_BLOCK=1024, EXPERT_GRID=cfg.expert_grid, num_warps=cfg.num_warps,
+            NUM_STAGES=cfg.num_stages, ZERO_BLOCK=1024, EXPERT_GRID=cfg.expert_grid,
+            **_launch_options(cfg, x, cfg.num_warps),
         )
         return act, out
 
@@ -373,23 +387,40 @@ class TritonExperts(PreparedExperts):
             IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), SWAP_AB=cfg.swap_ab,
             SCALE_W=cfg.scale_weights, EVEN_K=i % w2.block_k == 0, EVEN_N=w2.padded_rows % cfg.block_n_down == 0,
             NUM_STAGES=cfg.num_stages_down or cfg.num_stages, EXPERT_GRID=cfg.expert_grid, SPLIT_K=cfg.split_k,
-            num_warps=cfg.num_warps_down or cfg.num_warps,
+            **_launch_options(cfg, act, cfg.num_warps_down or cfg.num_warps),
         )
         return part
 
-    def combine(self, part, routes: Routes, out) -> None:
+    def combine(self, part, routes: Routes, out, cfg: TritonConfig) -> None:
         """out[row] = sum of its pairs' rows of `part` [S, P, H], in (split, pair) order (rows without pairs
         untouched)."""
         h = self.hidden_size
         self.kernels.combine_kernel[(out.shape[0], _cdiv(h, COMBINE_BLOCK_N))](
             part, part.stride(0), part.stride(1), routes.cpairs, routes.row_bounds, routes.row_bounds.stride(0),
             out, out.stride(0), h, BLOCK_R=COMBINE_BLOCK_R, BLOCK_N=COMBINE_BLOCK_N, SPLITS=part.shape[0],
-            num_warps=2,
+            **_launch_options(cfg, part, num_warps=2),
         )
 
 
 def _use_ptx(cfg: TritonConfig, x: torch.Tensor) -> bool:
     return cfg.ptx_dequant and x.is_cuda and torch.version.hip is None
+
+
+def has_dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` may signal and wait for dependent launches (CUDA, sm_90+)."""
+    return device.type == "cuda" and torch.version.hip is None and _capability(device.index)[0] >= 9
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _launch_options(cfg: TritonConfig, x: torch.Tensor, num_warps: int) -> dict:
+    """USE_GDC and the launch options of the GEMMs and the combine: warps, and a programmatic dependent
+    launch where the GPU has one."""
+    gdc = cfg.dependent_launch and has_dependent_launch(x.device)
+    return {"USE_GDC": gdc, "num_warps": num_warps, **({"launch_pdl": True} if gdc else {})}
 
 
 def _expert_slots(num_experts: int) -> int:

@@ -8,9 +8,12 @@ CI; GPU backends are marked `gpu` and skipped without a device.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from kernels.backends.triton_moe import TritonConfig, TritonExperts, has_dependent_launch
 from kernels.oracle import create_backend
 from kernels.quant import W4A16ExpertWeights
 from tests.kernels.conftest import random_int4
@@ -58,3 +61,23 @@ def test_gpu_backends_are_bitwise_repeatable(cuda, name, rows):
 def test_hip_fdot2_split_k_is_bitwise_repeatable(cuda):
     """K split into three chunks (H = I = 6144 at 8 rows staged): the chunk sums are ordered too."""
     _assert_bitwise_repeatable("hip_fdot2", cuda, rows=8, experts=2, top_k=2, hidden=6144, inter=6144)
+
+
+@pytest.mark.gpu
+# main's decode grid, the row-block grid, prefill tiles, few experts with down's k-blocks split
+@pytest.mark.parametrize("rows,experts,top_k", [(1, 32, 8), (64, 32, 8), (512, 32, 8), (16, 8, 2)])
+def test_triton_dependent_launch_changes_no_bit(cuda, rows, experts, top_k):
+    """Programmatic dependent launch only moves when programs start: for_load's configuration gives the
+    bits it gives launched without it, call after call (a program that read before its wait would not)."""
+    if not has_dependent_launch(cuda):
+        pytest.skip("this GPU has no programmatic dependent launch (sm_90+)")
+    weights, args = _problem(rows, experts=experts, top_k=top_k)
+    args = tuple(a.to(cuda) for a in args)
+    config = TritonConfig.for_load(rows * top_k, experts)
+    assert config.dependent_launch
+    serial = TritonExperts(weights, "silu", cuda, replace(config, dependent_launch=False))
+    expected = serial(*args)
+    dependent = serial.configured(config)
+    for run in range(RUNS):
+        differ = (dependent(*args) != expected).sum().item()
+        assert differ == 0, f"call {run} with dependent launches differs in {differ} of {expected.numel()} elements"
