@@ -121,7 +121,11 @@ class TritonConfig:
         The whole layer (graph us at M = 1 / 2 / 4 / 8 / 16, before -> with these): Mixtral 220.8 / 221.6 /
         222.7 / 226.3 / 242.6 -> 209.5 / 210.8 / 210.5 / 215.0 / 223.0; Qwen3 126.6 -> 120.7 at 8 and
         139.1 -> 132.0 at 16, but 106.4 / 109.7 / 113.5 -> 109.0 / 110.5 / 113.6 at 1 / 2 / 4, so up to
-        M = 4 many small experts keep 4 warps.
+        M = 4 many small experts kept 4 warps.
+        With dependent launches (same date, whole layer, graph us, one run), many small experts take 2 warps
+        at every decode M and down's 3 stages: at M = 1 / 2 / 4 2 warps 104.0 / 104.8 / 107.7 against 4
+        warps' 106.1 / 108.8 / 111.7; at M = 8 / 16 down on 3 stages 115.6 / 130.5 against 4 stages' 120.2 /
+        133.1 (an earlier run: 119.7 / 128.6 against 122.1 / 131.0).
         Before (same date, commit 4344a33): few large experts: 4 stages, 1-2% faster at M = 1-8; at
         M = 16 down tiles of 256 rows with 8 warps, 246 against 265 us. Many small experts (Qwen3,
         E = 128): this default, and up to M = 8 on main's grid (expert_grid): the row-block grid
@@ -141,9 +145,7 @@ class TritonConfig:
         if per_expert <= 16:
             if few:
                 return cls(num_warps=2, num_warps_down=4, num_stages_down=4, split_k=2)
-            if per_expert <= 4:
-                return cls(expert_grid=True)
-            return cls(num_warps=2, num_stages_down=4, expert_grid=per_expert <= 8)
+            return cls(num_warps=2, expert_grid=per_expert <= 8)
         if per_expert < 48:
             return cls(block_m=32)
         if per_expert > 64:
