@@ -142,23 +142,27 @@ class UnaryProtobuf:
             c.close()
 
 
-ROUNDS = 4  # each path's round trips come in rounds that alternate with the other paths
+ROUNDS = 16  # each path's round trips come in short blocks that alternate with the other paths'
+BLOCK_S = 0.015  # a block lasts this long, and holds at least one round trip
 
 
-def measure_interleaved(clients: dict, data: dict, fanout: int, servers: dict, budget_s: float = 0.12,
-                        max_iters: int = 80) -> dict[str, dict]:  # fmt: skip
-    """Round trips of every path for one (payload, fan-out), in alternating rounds so that the
-    machine's drift over time falls on all of them alike."""
+def measure_interleaved(clients: dict, data: dict, fanout: int, servers: dict) -> dict[str, dict]:
+    """Round trips of every path for one (payload, fan-out), in short blocks that alternate
+    between the paths, their order rotating from round to round: the machine's drift over time
+    (and whatever else it runs) falls on all of them alike, so that their ratios hold within a run
+    even where the absolute times move from run to run."""
     times = {path: [] for path in clients}
     cpu = {path: [0.0, 0.0] for path in clients}
     for path, client in clients.items():
         for _ in range(3):
             client.round_trip(data[path], fanout)
-    for _ in range(ROUNDS):
-        for path, client in clients.items():
+    paths = list(clients)
+    for r in range(ROUNDS):
+        for path in paths[r % len(paths):] + paths[: r % len(paths)]:
+            client = clients[path]
             server0 = cpu_seconds(servers[path])
             cpu0, start, n = time.process_time(), time.perf_counter(), 0
-            while n < max_iters and (n < 5 or time.perf_counter() - start < budget_s):
+            while n < 1 or time.perf_counter() - start < BLOCK_S:
                 t = time.perf_counter()
                 client.round_trip(data[path], fanout)
                 times[path].append(time.perf_counter() - t)
