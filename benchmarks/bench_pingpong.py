@@ -17,10 +17,13 @@ remote time this machine adds by itself (own: transport and the workers' CPU). T
 - transport-heavy: that, plus a fixed delay per Forward of twice a (a slow link), where more
   micro-batches keep paying off.
 
-auto (attention_server/pingpong_auto.py) is measured like the others, after the same warm-up
-request, and reported beside the best fixed m with the steps it ran at each m. Every point also
-runs 16 clients streaming at once (requests that come and go, as users' do): output tokens/s and
-how many requests failed.
+Per regime one attention server per m (1, 2, 3, 4 and auto) starts, all at once, on the same
+workers; they are measured in rounds that alternate between them, the order rotating from round
+to round, so that the machine's drift falls on every m alike (measured one after another, points
+moved by 10-20% with their place in the sequence). auto (attention_server/pingpong_auto.py) is
+measured like the others and reported beside the best fixed m with the steps it ran at each m.
+Every point also runs 16 clients streaming at once (requests that come and go, as users' do):
+output tokens/s and how many requests failed.
 
 Beside each measured step, the ideal from DESIGN.md §4 for this emulation: one layer takes
 max(a, a/m + r(m)) with r(m) = own + d + e/m a micro-batch's remote time (d the fixed delay, e
@@ -76,7 +79,7 @@ class Point:
 
     @property
     def label(self) -> str:
-        return "auto" if self.microbatches is None else str(self.microbatches)
+        return label(self.microbatches)
 
 
 STEPS_BY_M = "hetero_moe_pingpong_steps_total"
@@ -142,43 +145,81 @@ def prompt_tokens(base_url: str, prompts: list[str] | None = None) -> int:
     return client.completions.create(model=model, prompt=prompts, max_tokens=1).usage.prompt_tokens // len(prompts)
 
 
-def measure(base_url: str, batch: int, regime: str, m: int | None, prompts: list[str] | None = None) -> Point:
-    """Decode step = (time of DECODE_TOKENS tokens - time of 1) / (DECODE_TOKENS - 1), median of
-    rounds; the attention node's forward and expert wait per decode step the same way, from its
-    metrics (the 1-token request is the prefill the other also has). The batch's requests all ask
-    PROMPT (so they route alike), or `prompts`."""
-    import statistics
+class Server:
+    """One attention server under measurement: its samples, taken in rounds that alternate with
+    the other servers' (measure_interleaved)."""
 
-    from openai import OpenAI
+    def __init__(self, base_url: str, batch: int, regime: str, m: int | None, prompts: list[str] | None = None):
+        from openai import OpenAI
 
-    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
-    model = client.models.list().data[0].id
-    decode_seconds(client, model, batch, 4, prompts)  # warm: the batch shape compiled, caches filled
-    url = f"{base_url}/metrics"
-    steps, rates, forwards, waits, by_m = [], [], [], [], {}
-    for _ in range(ROUNDS):
-        s0 = scrape_sums(url)
-        one = decode_seconds(client, model, batch, 1, prompts)
-        s1 = scrape_sums(url)
-        full = decode_seconds(client, model, batch, DECODE_TOKENS, prompts)
-        s2 = scrape_sums(url)
+        self.url, self.batch, self.regime, self.m, self.prompts = f"{base_url}/metrics", batch, regime, m, prompts
+        self.client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+        self.model = self.client.models.list().data[0].id
+        self.steps, self.rates, self.forwards, self.waits, self.by_m = [], [], [], [], {}
+        self.streams: tuple[float, int] = (0.0, 0)
+
+    def warm(self) -> None:
+        """The batch shape compiled, caches filled."""
+        decode_seconds(self.client, self.model, self.batch, 4, self.prompts)
+
+    def sample(self) -> None:
+        """Decode step = (time of DECODE_TOKENS tokens - time of 1) / (DECODE_TOKENS - 1); the
+        attention node's forward and expert wait per decode step the same way, from its metrics
+        (the 1-token request is the prefill the other also has). The batch's requests all ask
+        PROMPT (so they route alike), or `prompts`."""
+        s0 = scrape_sums(self.url)
+        one = decode_seconds(self.client, self.model, self.batch, 1, self.prompts)
+        s1 = scrape_sums(self.url)
+        full = decode_seconds(self.client, self.model, self.batch, DECODE_TOKENS, self.prompts)
+        s2 = scrape_sums(self.url)
 
         def decode_only(name: str) -> float:
             return (s2.get(name, 0.0) - s1.get(name, 0.0)) - (s1.get(name, 0.0) - s0.get(name, 0.0))
 
         count = decode_only("hetero_moe_step_forward_seconds_count")
-        steps.append((full - one) / (DECODE_TOKENS - 1))
-        rates.append(batch * DECODE_TOKENS / full)
-        forwards.append(decode_only("hetero_moe_step_forward_seconds_sum") / count)
-        waits.append(decode_only("hetero_moe_step_expert_wait_seconds_sum") / count)
+        self.steps.append((full - one) / (DECODE_TOKENS - 1))
+        self.rates.append(self.batch * DECODE_TOKENS / full)
+        self.forwards.append(decode_only("hetero_moe_step_forward_seconds_sum") / count)
+        self.waits.append(decode_only("hetero_moe_step_expert_wait_seconds_sum") / count)
         for key in s2:
             if key.startswith(STEPS_BY_M + " "):
-                by_m[key.split()[1]] = by_m.get(key.split()[1], 0.0) + decode_only(key)
-    rate, failed = streams(client, model)
-    return Point(regime, m, 1e3 * statistics.median(steps), statistics.median(rates),
-                 1e3 * statistics.median(forwards), 1e3 * statistics.median(waits),
-                 steps_by_microbatches={k: v for k, v in sorted(by_m.items()) if v},
-                 streams_tokens_per_s=rate, streams_failed=failed)  # fmt: skip
+                m = key.split()[1]
+                self.by_m[m] = self.by_m.get(m, 0.0) + decode_only(key)
+
+    def sample_streams(self) -> None:
+        self.streams = streams(self.client, self.model)
+
+    def point(self) -> Point:
+        """Medians over the rounds."""
+        import statistics
+
+        return Point(self.regime, self.m, 1e3 * statistics.median(self.steps), statistics.median(self.rates),
+                     1e3 * statistics.median(self.forwards), 1e3 * statistics.median(self.waits),
+                     steps_by_microbatches={k: v for k, v in sorted(self.by_m.items()) if v},
+                     streams_tokens_per_s=self.streams[0], streams_failed=self.streams[1])  # fmt: skip
+
+
+# vLLM's engine and model worker poll their shared-memory queues (sched_yield) for a second after
+# the last message before they block: the server measured before must be idle before the next.
+ENGINE_IDLE_S = 1.5
+
+
+def measure_interleaved(servers: list[Server]) -> list[Point]:
+    """Every server's ROUNDS samples (and then its 16 streams) in rounds that alternate between
+    the servers, their order rotating from round to round, so that the machine's drift over time
+    falls on all of them alike: sequential points were seen to move by 10-20% with their place in
+    the sequence, more than the differences between m this bench is for."""
+    for server in servers:
+        server.warm()
+        time.sleep(ENGINE_IDLE_S)
+    for r in range(ROUNDS + 1):  # the last round: the streams
+        for server in servers[r % len(servers):] + servers[: r % len(servers)]:
+            if r < ROUNDS:
+                server.sample()
+            else:
+                server.sample_streams()
+            time.sleep(ENGINE_IDLE_S)
+    return [server.point() for server in servers]
 
 
 class Cluster:
@@ -199,22 +240,24 @@ class Cluster:
                 self.procs[f"worker-{i}"] = subprocess.Popen(self.spec.worker_command(i) + extra, stdout=f,
                                                              stderr=subprocess.STDOUT, start_new_session=True, env=env)  # fmt: skip
 
-    def start_attention(self, m: int | None, *extra: str, log: str | None = None) -> str:
-        """The attention server with --pingpong-microbatches m and `extra` flags; its log is
-        attention-`log` (default m{m})."""
+    def start_attention(self, servers: dict[str, list[str]]) -> dict[str, str]:
+        """One attention server per entry, {name: its flags beyond the cluster's}, all started at
+        once (their log: attention-`name`) and all up on return: {name: its base URL}. A server
+        that is up and idle costs this machine nothing."""
         self.stop("attention")
-        (port,) = free_ports(1)
-        flag = "auto" if m is None else str(m)
-        cmd = [sys.executable, "-m", "attention_server", "--model", str(self.model), "--expert-endpoints",
-               ",".join(self.spec.endpoints), *self.spec.security_args(), "--pingpong-microbatches", flag, "--host", HOST, "--port", str(port),
-               *extra, *VLLM_ARGS]  # fmt: skip
+        urls, procs = {}, {}
         env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")}
-        with (self.logs / f"attention-{log or 'm' + flag}.log").open("wb") as f:
-            self.procs["attention"] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                                       start_new_session=True, env=env)  # fmt: skip
-        base_url = f"http://{HOST}:{port}"
-        wait_http_ready(base_url, [self.procs["attention"]], timeout_s=900)
-        return base_url
+        for (name, flags), port in zip(servers.items(), free_ports(len(servers))):
+            cmd = [sys.executable, "-m", "attention_server", "--model", str(self.model), "--expert-endpoints",
+                   ",".join(self.spec.endpoints), *self.spec.security_args(), "--host", HOST, "--port", str(port),
+                   *flags, *VLLM_ARGS]  # fmt: skip
+            with (self.logs / f"attention-{name}.log").open("wb") as f:
+                procs[name] = self.procs[f"attention-{name}"] = subprocess.Popen(
+                    cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)  # fmt: skip
+            urls[name] = f"http://{HOST}:{port}"
+        for url in urls.values():
+            wait_http_ready(url, procs.values(), timeout_s=1200)
+        return urls
 
     def stop(self, prefix: str = "") -> None:
         chosen = {n: p for n, p in self.procs.items() if n.startswith(prefix)}
@@ -223,6 +266,14 @@ class Cluster:
             for n, p in chosen.items():
                 p.wait()
                 del self.procs[n]
+
+
+def label(m: int | None) -> str:
+    return "auto" if m is None else str(m)
+
+
+def pingpong_flags(m: int | None) -> list[str]:
+    return ["--pingpong-microbatches", label(m)]
 
 
 def ideal_step_ms(base: Point, layers: int, m: int, own_ms: float, d_ms: float) -> float:
@@ -260,8 +311,8 @@ def main() -> None:
         # Calibration: the attention node's busy time per MoE layer, and the remote time this machine
         # adds by itself (transport, the workers' CPU), with instant workers.
         cluster.start_workers(0.0, 0.0)
-        url = cluster.start_attention(1)
-        calib = measure(url, a.batch, "no delay", 1)
+        url = cluster.start_attention({"m1": pingpong_flags(1)})["m1"]
+        (calib,) = measure_interleaved([Server(url, a.batch, "no delay", 1)])
         context = prompt_tokens(url)
         points.append(calib)
         attention_ms = (calib.forward_ms - calib.expert_wait_ms) / layers
@@ -278,10 +329,10 @@ def main() -> None:
         }
         for regime, delays in regimes.items():
             cluster.start_workers(delays["delay_ms"], delays["delay_us_per_row"])
-            base = None
-            for m in ms:
-                point = measure(cluster.start_attention(m), a.batch, regime, m)
-                base = base or point
+            urls = cluster.start_attention({f"m{label(m)}": pingpong_flags(m) for m in ms})
+            measured = measure_interleaved([Server(urls[f"m{label(m)}"], a.batch, regime, m) for m in ms])
+            base = measured[0]
+            for m, point in zip(ms, measured):
                 # auto's ideal: the best m's
                 point.ideal_step_ms = min(ideal_step_ms(base, layers, i, own_remote_ms, delays["delay_ms"])
                                           for i in ([m] if m else range(1, MAX_MICROBATCHES + 1)))  # fmt: skip

@@ -43,7 +43,9 @@ from pathlib import Path
 import numpy as np
 
 import tiny_models
-from benchmarks.bench_pingpong import DECODE_TOKENS, VLLM_ARGS, Cluster, measure, prompt_tokens
+from benchmarks.bench_pingpong import (
+    DECODE_TOKENS, VLLM_ARGS, Cluster, Server, measure_interleaved, pingpong_flags, prompt_tokens,
+)  # fmt: skip
 from protos.checkpoint import read_checkpoint
 
 logger = logging.getLogger("bench_placement")
@@ -103,8 +105,9 @@ def warm_until_placed(client, model: str, base_url: str, batch: int, hot: bool, 
 
 
 def run(cluster: Cluster, name: str, hot_bytes: int, spare_bytes: int, batch: int) -> Placement:
-    url = cluster.start_attention(1, "--hot-expert-bytes", str(hot_bytes), "--spare-expert-bytes", str(spare_bytes),
-                                  "--expert-load-window", "6", log=name)  # fmt: skip
+    flags = [*pingpong_flags(1), "--hot-expert-bytes", str(hot_bytes), "--spare-expert-bytes", str(spare_bytes),
+             "--expert-load-window", "6"]  # fmt: skip
+    url = cluster.start_attention({name: flags})[name]
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
@@ -112,7 +115,7 @@ def run(cluster: Cluster, name: str, hot_bytes: int, spare_bytes: int, batch: in
     if hot_bytes or spare_bytes:
         warm_until_placed(client, model, url, batch, bool(hot_bytes), bool(spare_bytes))
     before = load_view(url)
-    point = measure(url, batch, name, 1, prompts(batch))
+    (point,) = measure_interleaved([Server(url, batch, name, 1, prompts(batch))])
     after = load_view(url)
     counts = np.asarray(after["total"]) - np.asarray(before["total"])
     dealt = np.asarray(after["shard_total"]) - np.asarray(before["shard_total"])
