@@ -20,8 +20,11 @@ Every figure is the median of its last WINDOW values, per batch size (a power-of
 the step's tokens): one slow step (a pause, the first decode after a prefill) moves nothing. An m
 is measured over MIN_SAMPLES steps in a row before it is judged: a new batch size runs whole
 first, then at m = 2, then at whatever the figures favour. A measurement not renewed within
-EXPIRE_STEPS steps of its bucket is dropped, so that a changed load is measured again. A batch of
-fewer than 2 requests runs whole.
+EXPIRE_STEPS steps of its bucket is dropped, so that a changed load is measured again. Meanwhile
+the m that runs is measured on every step and the others not at all, so a few slow steps of an m
+(a busy moment of the host) would keep it off for those EXPIRE_STEPS: every REPROBE_STEPS steps of
+a bucket, the m not run for that long whose last figure came closest to the best's (within
+REPROBE_MARGIN) is measured afresh. A batch of fewer than 2 requests runs whole.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ WINDOW = 9  # values per median
 MIN_SAMPLES = 3  # steps in a row an m runs before it is judged
 EXPIRE_STEPS = 500  # steps of a bucket after which an m not run since is measured again
 MIN_GAIN = 0.03  # another m must be this much faster than the best measured one to be run
+REPROBE_STEPS = 48  # steps of a bucket between two fresh measurements of an m that is not running
+REPROBE_MARGIN = 0.15  # ... of one whose last figure is at most this much slower than the best's
 WAIT_BOUND = 0.05  # a split step whose wait is at least this share of its layer time measures c
 
 
@@ -66,6 +71,7 @@ class LayerTimes:
     measured: dict[int, Recent] = field(default_factory=dict)  # layer time at each m
     steps: int = 0  # steps of this bucket so far
     last: int = 1  # the m of the last step
+    reprobed: int = 0  # the step of this bucket when an m was last measured afresh
 
     def samples(self, m: int) -> int:
         """Current measurements of m (none once expired)."""
@@ -105,11 +111,18 @@ class AutoMicroBatches:
             return 1
         if not len(times.overhead):
             return 2
-        best, best_t = 1, times.measured[1].median
+        estimate = {m: times.measured[m].median if times.samples(m) else times.predict(m) for m in range(1, limit + 1)}
+        best = 1
         for m in range(2, limit + 1):
-            t = times.measured[m].median if times.samples(m) else times.predict(m)
-            if t < best_t * (1 - MIN_GAIN):
-                best, best_t = m, t
+            if estimate[m] < estimate[best] * (1 - MIN_GAIN):
+                best = m
+        if times.steps - times.reprobed >= REPROBE_STEPS:
+            stale = [m for m in estimate if m != best and times.samples(m)
+                     and times.steps - times.measured[m].seen >= REPROBE_STEPS]  # fmt: skip
+            if stale and estimate[m := min(stale, key=estimate.get)] <= estimate[best] * (1 + REPROBE_MARGIN):
+                times.reprobed = times.steps
+                times.measured[m] = Recent()  # measured afresh from its next step on
+                return m
         return best
 
     def observe(self, m: int, num_tokens: int, moe_layers: int, forward_s: float, wait_s: float) -> None:

@@ -142,13 +142,15 @@ def _drive(auto, cluster: LayerModel, steps: int, num_reqs: int = 16) -> list[in
     ids=["m2", "m3", "m4", "m1", "m1-unmodelled"],
 )
 def test_auto_settles_on_the_m_the_model_predicts(cluster):
-    from attention_server.pingpong_auto import EXPIRE_STEPS, MIN_SAMPLES, AutoMicroBatches
+    from attention_server.pingpong_auto import EXPIRE_STEPS, MIN_GAIN, MIN_SAMPLES, AutoMicroBatches
 
     chosen = _drive(AutoMicroBatches(4), cluster, 2 * EXPIRE_STEPS)
     best = cluster.best()
     assert chosen[: 2 * MIN_SAMPLES] == [1] * MIN_SAMPLES + [2] * MIN_SAMPLES, "first whole, then m = 2"
-    # apart from the steps that measure the others, now and once their measurements expire
-    assert chosen.count(best) >= 0.95 * len(chosen), (best, chosen)
+    # apart from the steps that measure the others, now, when measured afresh and once expired;
+    # an m as fast as the best (within MIN_GAIN) is as good a choice
+    as_fast = {m for m in range(1, 5) if cluster.step(m)[0] <= (1 + MIN_GAIN) * cluster.step(best)[0]}
+    assert sum(m in as_fast for m in chosen) >= 0.95 * len(chosen), (best, chosen)
     spent = sum(cluster.step(m)[0] for m in chosen)
     assert spent <= 1.05 * len(chosen) * cluster.step(best)[0], (best, chosen)
 
@@ -171,3 +173,28 @@ def test_auto_runs_small_batches_whole():
     cluster = LayerModel(b=1.0, o=0.05, r=4.0, c=0.2)
     assert set(_drive(auto, cluster, 20, num_reqs=1)) == {1}
     assert max(_drive(auto, cluster, 20, num_reqs=2)) == 2, "never more micro-batches than requests"
+
+
+@pytest.mark.parametrize("reprobe", [True, False], ids=["reprobe", "without-reprobe"])
+def test_auto_recovers_from_a_busy_moment(reprobe, monkeypatch):
+    """A few slow steps of m = 2 (a busy moment of the host) send auto to m = 1; an m that does not
+    run is not measured, so only measuring it afresh (REPROBE_STEPS) brings m = 2 back. Without
+    that, auto stays on m = 1: the test shows what the re-measurement is for."""
+    from attention_server import pingpong_auto
+
+    period = pingpong_auto.REPROBE_STEPS
+    if not reprobe:
+        monkeypatch.setattr(pingpong_auto, "REPROBE_STEPS", 10**9)
+    auto, cluster = pingpong_auto.AutoMicroBatches(4), LayerModel(b=1.0, o=0.2, r=1.0, c=0.3)  # m = 2
+    assert _drive(auto, cluster, 30)[-10:] == [2] * 10
+    for _ in range(12):  # m = 2's steps take 1.6x as long meanwhile: slower than m = 1's
+        m = auto.choose(16, 16)
+        forward, wait = cluster.step(m)
+        slow = 1.6 if m == 2 else 1.0
+        auto.observe(m, 16, 4, forward * slow, wait * slow)
+    assert auto.choose(16, 16) == 1
+    after = _drive(auto, cluster, 3 * period)
+    if reprobe:
+        assert after[-2 * period :].count(2) >= 0.95 * 2 * period, after
+    else:
+        assert set(after) == {1}, after
