@@ -12,9 +12,10 @@ One run, loopback only, every process started and stopped by the bench:
    per round trip of the client and of the servers, ratio to the floor.
 2. End to end on the embedded tiny model (4 MoE layers): decode inter-token latency of one
    request at a time and output tokens/s of 16 concurrent streaming requests, stock vLLM against
-   the cluster on each plane, same flags (compiled), and the cluster's cost per MoE layer. All
-   servers start at once and are measured in alternating rounds (latency: medians of four
-   rounds; throughput: the fastest of four).
+   the cluster on the shared-memory plane (--e2e-planes shm,tcp,grpc: on each plane, a minute
+   more per plane), same flags (compiled), and the cluster's cost per MoE layer. All
+   servers start at once, with the workers, and are measured in alternating rounds (latency:
+   medians of four rounds; throughput: the fastest of four), then stopped before part 1 runs.
 
 Workers and attention servers run with mutual TLS and the token, as `make up` runs them
 (benchmarks/bench_tls.py measures what that costs); --plaintext runs them without, as the floor
@@ -74,6 +75,9 @@ PATHS = ("tcp floor", "shm", "tcp", "grpc", "unary protobuf (first slice)")
 NUM_WORKERS = 8
 VLLM_ARGS = ("--dtype", "bfloat16", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 30))
 E2E_PLANES = ("shm", "tcp", "grpc")
+# End to end, by default stock vLLM and the cluster on the plane `auto` picks on one host: each
+# more vLLM server adds about a minute of start-up on two cores (four took 233 s to serve).
+DEFAULT_E2E_PLANES = ("shm",)
 DECODE_TOKENS = 64
 
 
@@ -256,65 +260,75 @@ E2E_ROUNDS = 4
 ENGINE_IDLE_S = 1.5
 
 
-def end_to_end(model: Path, spec: ClusterSpec, logs: Path, num_moe_layers: int, planes: list[str]) -> dict:
-    """Stock vLLM and the cluster on each plane, all started at once (an idle server costs nothing
-    once its engine stops polling) and measured in alternating rounds, so that the machine's drift
-    falls on all of them alike."""
-    from openai import OpenAI  # the end-to-end part only (the GPU mode runs where no vLLM client is)
+class EndToEnd:
+    """Stock vLLM and the cluster on each plane. All start at once, with the bench (their minutes
+    of start-up overlap the workers' own), and are measured in alternating rounds, so that the
+    machine's drift falls on all of them alike; stopped before the round trips, which then have
+    the CPU to themselves."""
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")}
-    names = ["stock", *planes]
-    ports = dict(zip(names, free_ports(len(names))))
-    procs: dict[str, subprocess.Popen] = {}
-    try:
-        for name in names:
-            serve = ["--model", str(model), "--host", HOST, "--port", str(ports[name]), *VLLM_ARGS]
+    def __init__(self, model: Path, spec: ClusterSpec, logs: Path, planes: list[str]):
+        # vLLM 0.32's AOT compile cache never loads on CPU ("'function' object has no attribute
+        # 'finalize_loading'"), so each start compiles again; its older cache loads (stock alone:
+        # 40 s to serve with a warm cache, against 33 s without AOT).
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")} | {"VLLM_USE_AOT_COMPILE": "0"}
+        self.planes, self.names = planes, ["stock", *planes]
+        self.ports = dict(zip(self.names, free_ports(len(self.names))))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.started = time.perf_counter()
+        for name in self.names:
+            serve = ["--model", str(model), "--host", HOST, "--port", str(self.ports[name]), *VLLM_ARGS]
             if name == "stock":
                 cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *serve]
             else:
                 cmd = [sys.executable, "-m", "attention_server", "--expert-endpoints", ",".join(spec.endpoints),
                        *spec.security_args(), "--data-plane", name, *serve]  # fmt: skip
             with (logs / f"{'stock' if name == 'stock' else 'attention-' + name}.log").open("wb") as out:
-                procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                               env=env)  # fmt: skip
-        started, clients = time.perf_counter(), {}
-        for name in names:
-            url = f"http://{HOST}:{ports[name]}"
-            wait_http_ready(url, procs.values(), timeout_s=900)
+                self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                                    env=env)  # fmt: skip
+
+    def measure(self, num_moe_layers: int) -> dict:
+        from openai import OpenAI  # the end-to-end part only (the GPU mode runs where no vLLM client is)
+
+        clients = {}
+        for name in self.names:
+            url = f"http://{HOST}:{self.ports[name]}"
+            wait_http_ready(url, self.procs.values(), timeout_s=900)
             client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
             clients[name] = (client, client.models.list().data[0].id)
-        logger.info("%d servers up in %.0f s", len(names), time.perf_counter() - started)
+        logger.info("%d servers up %.0f s after they started", len(self.names), time.perf_counter() - self.started)
         for client, model_id in clients.values():  # warm: compile, caches, the shapes of a batch of 16
             itl_seconds(client, model_id)
             concurrent_streams(client, model_id, 8)
             time.sleep(ENGINE_IDLE_S)
-        itl = {name: [] for name in names}
-        rates = {name: [] for name in names}
+        itl = {name: [] for name in self.names}
+        rates = {name: [] for name in self.names}
         for _ in range(E2E_ROUNDS):
             for name, (client, model_id) in clients.items():
                 itl[name].append(itl_seconds(client, model_id))
                 rates[name].append(streams_rate(client, model_id))
                 time.sleep(ENGINE_IDLE_S)
-    finally:
+        result = {}
+        for name in self.names:
+            one = statistics.median(t for t, _ in itl[name])
+            many = statistics.median(t for _, t in itl[name])
+            result[name] = {"first_token_ms": one * 1e3, "itl_ms": (many - one) / (DECODE_TOKENS - 1) * 1e3,
+                            # the fastest round: on 2 cores stock vLLM's 16 streams alternate between a fast
+                            # and a 3-5x slower mode from round to round, where a median picks either
+                            "streams_16_tokens_per_s": max(rates[name]),
+                            "streams_16_each_round": rates[name]}  # fmt: skip
+        stock = result["stock"]
+        for plane in self.planes:
+            r = result[plane]
+            r["moe_layer_overhead_ms"] = (r["itl_ms"] - stock["itl_ms"]) / num_moe_layers
+            r["throughput_vs_stock"] = r["streams_16_tokens_per_s"] / stock["streams_16_tokens_per_s"]
+            logger.info("cluster on %s: %s", plane, r)
+        return result
+
+    def stop(self) -> None:
+        procs, self.procs = self.procs, {}
         stop_pids({name: p.pid for name, p in procs.items()}, reap=lambda: [p.poll() for p in procs.values()])
         for p in procs.values():
             p.wait()
-    result = {}
-    for name in names:
-        one = statistics.median(t for t, _ in itl[name])
-        many = statistics.median(t for _, t in itl[name])
-        result[name] = {"first_token_ms": one * 1e3, "itl_ms": (many - one) / (DECODE_TOKENS - 1) * 1e3,
-                        # the fastest round: on 2 cores stock vLLM's 16 streams alternate between a fast
-                        # and a 3-5x slower mode from round to round, where a median picks either
-                        "streams_16_tokens_per_s": max(rates[name]),
-                        "streams_16_each_round": rates[name]}  # fmt: skip
-    stock = result["stock"]
-    for plane in planes:
-        r = result[plane]
-        r["moe_layer_overhead_ms"] = (r["itl_ms"] - stock["itl_ms"]) / num_moe_layers
-        r["throughput_vs_stock"] = r["streams_16_tokens_per_s"] / stock["streams_16_tokens_per_s"]
-        logger.info("cluster on %s: %s", plane, r)
-    return result
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -446,11 +460,15 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("results/bench_transport.json"))
     p.add_argument("--skip-e2e", action="store_true", help="only the round trips (no vLLM)")
-    p.add_argument("--e2e-planes", default=",".join(E2E_PLANES), help="planes the end-to-end part runs the cluster on")
+    p.add_argument("--e2e-planes", default=",".join(DEFAULT_E2E_PLANES),
+                   help=f"planes the end-to-end part runs the cluster on, of {','.join(E2E_PLANES)}")
     p.add_argument("--skip-round-trips", action="store_true", help="only the end-to-end part")
     p.add_argument("--gpu", action="store_true", help="the W4A16 workers on cuda, Qwen3-30B-A3B shapes (see above)")
     p.add_argument("--plaintext", action="store_true", help="workers and attention servers without TLS, as the floor")
     a = p.parse_args()
+    planes = [x for x in a.e2e_planes.split(",") if x]
+    if unknown := set(planes) - set(E2E_PLANES):
+        p.error(f"--e2e-planes: unknown {sorted(unknown)}; choose from {','.join(E2E_PLANES)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     logs = a.out.parent / "bench-transport-logs"
@@ -465,6 +483,7 @@ def main() -> None:
     spec = ClusterSpec(model=model, num_workers=NUM_WORKERS, http_port=0, host=HOST, run_dir=logs, worker_threads=1,
                        **free_worker_ports(NUM_WORKERS), tls_dir=tls_dir)  # fmt: skip
     procs: dict[str, subprocess.Popen] = {}
+    e2e_servers = None
     try:
         for i in range(NUM_WORKERS):
             with (logs / f"worker-{i}.log").open("wb") as f:
@@ -472,6 +491,8 @@ def main() -> None:
                                                         start_new_session=True)  # fmt: skip
         echo_base = free_port_run(NUM_WORKERS)
         echo_ports = list(range(echo_base, echo_base + NUM_WORKERS))
+        if not a.skip_e2e:
+            e2e_servers = EndToEnd(model, spec, logs, planes)
         for i, port in enumerate(echo_ports):
             procs[f"echo-{i}"] = subprocess.Popen([sys.executable, "-m", "benchmarks.tcp_echo", "--port", str(port)],
                                                   start_new_session=True)  # fmt: skip
@@ -480,10 +501,14 @@ def main() -> None:
         workers = [procs[f"worker-{i}"].pid for i in range(NUM_WORKERS)]
         echoes = [procs[f"echo-{i}"].pid for i in range(NUM_WORKERS)]
         security = Security.load(spec.tls_dir, "attention")
+        e2e = None
+        if e2e_servers is not None:
+            e2e = e2e_servers.measure(len(read_checkpoint(model).moe_layers))
+            e2e_servers.stop()
         rows = [] if a.skip_round_trips else round_trips(spec.endpoints, workers, echo_ports, echoes, security)
-        planes = [x for x in a.e2e_planes.split(",") if x]
-        e2e = None if a.skip_e2e else end_to_end(model, spec, logs, len(read_checkpoint(model).moe_layers), planes)
     finally:
+        if e2e_servers is not None:
+            e2e_servers.stop()
         stop_pids({n: p.pid for n, p in procs.items()}, reap=lambda: [p.poll() for p in procs.values()])
     report = table(rows, e2e)
     print(report)
