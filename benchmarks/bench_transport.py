@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import platform
+import random
 import socket
 import statistics
 import subprocess
@@ -146,23 +147,24 @@ class UnaryProtobuf:
             c.close()
 
 
-ROUNDS = 16  # each path's round trips come in short blocks that alternate with the other paths'
+ROUNDS = 32  # each path's round trips come in short blocks that alternate with the other paths'
 BLOCK_S = 0.015  # a block lasts this long, and holds at least one round trip
 
 
 def measure_interleaved(clients: dict, data: dict, fanout: int, servers: dict) -> dict[str, dict]:
     """Round trips of every path for one (payload, fan-out), in short blocks that alternate
-    between the paths, their order rotating from round to round: the machine's drift over time
-    (and whatever else it runs) falls on all of them alike, so that their ratios hold within a run
-    even where the absolute times move from run to run."""
+    between the paths, in a new order every round: the machine's drift over time (and whatever
+    else it runs) falls on all of them alike, and no path always follows the same one (whose
+    servers may still be winding down), so that their ratios hold within a run even where the
+    absolute times move from run to run."""
     times = {path: [] for path in clients}
     cpu = {path: [0.0, 0.0] for path in clients}
     for path, client in clients.items():
         for _ in range(3):
             client.round_trip(data[path], fanout)
-    paths = list(clients)
-    for r in range(ROUNDS):
-        for path in paths[r % len(paths):] + paths[: r % len(paths)]:
+    order = random.Random(0)  # the same orders every run
+    for _ in range(ROUNDS):
+        for path in order.sample(list(clients), len(clients)):
             client = clients[path]
             server0 = cpu_seconds(servers[path])
             cpu0, start, n = time.process_time(), time.perf_counter(), 0
