@@ -1,6 +1,6 @@
 """make bench-transport: what moving a micro-batch to the workers and back costs, per data plane.
 
-    python -m benchmarks.bench_transport [--out FILE] [--skip-e2e]
+    python -m benchmarks.bench_transport [--out FILE] [--plaintext] [--e2e-planes shm,tcp,grpc] [--skip-e2e]
 
 One run, loopback only, every process started and stopped by the bench:
 
