@@ -64,6 +64,12 @@ class TritonConfig:
     L2 for their first 2 / 4 / 8 weight k-blocks before waiting were slower (Qwen3 M = 1: 107.2 / 109.7 /
     116.8 against 106.8), and so were register caps of 96 / 80 per thread for more programs per SM (spills:
     Qwen3 M = 1 111.5 / 117.4 against 106.1, M = 8 198.8 against 120.2).
+    Decode on wgmma was slower (H200, 2026-12-03, Qwen3 whole layer, graph us at M = 1 / 8 / 16, for_load 103.2 /
+    116.1 / 131.0): swap_ab + scale_weights on 4 warps at block_m 16 121.7 / 134.1 / 146.4; with 4 stages, 8 warps
+    and 128-column gate_up blocks, 256-row down blocks, or the row-block grid 120-168; swap_ab alone (fp32 group
+    partials, each quarter's wgmma waited on) 110.0 / 124.4 / 138.6; Mixtral 239-248 against 222-227 at M = 1-16.
+    Down writing its pair rows in bf16 (half the bytes to the combine): Qwen3 917 / 3430 against 950 / 3573 us at
+    M = 256 / 1024, 297 against 299 at 64, 107.0 against 103.2 at 1; not taken (it rounds every pair's row).
 
     Decode (<= 16 pairs per expert), H200, Qwen3-30B-A3B shapes, graph time at 1 / 8 tokens per
     expert (bench_kernel --sweep, two runs, 2026-11-29): this default 101-102 / 108-111 us; 4 stages
@@ -139,6 +145,9 @@ class TritonConfig:
         128, Qwen3 517 against 540; 1452/1729 and 954/1009 at 256); 64 rows up to 64 (128 rows:
         700 against 433 us, 667 against 521). At 64 rows, few large experts take gate_up tiles of
         128 columns with 8 warps (433 against 518 us), many small ones 64 with 4 (521 against 531).
+        Above 64, many small experts take down blocks of 256 columns (two stored tiles, 8 warps): Qwen3
+        892.7 / 3335.5 against 949.6 / 3572.8 us at M = 256 / 1024 (2026-12-03, one run; at 64-row blocks,
+        M = 64, 327.7 against 298.8); few large ones not re-measured.
         """
         per_expert = -(-num_pairs // num_experts)
         few = num_experts <= FEW_EXPERTS
@@ -149,7 +158,9 @@ class TritonConfig:
         if per_expert < 48:
             return cls(block_m=32)
         if per_expert > 64:
-            return cls(block_m=128, block_n_gate_up=128, num_warps=8, swap_ab=True, scale_weights=True)
+            if few:
+                return cls(block_m=128, block_n_gate_up=128, num_warps=8, swap_ab=True, scale_weights=True)
+            return cls(block_m=128, block_n_gate_up=128, block_n_down=256, num_warps=8, swap_ab=True, scale_weights=True)
         if few:
             return cls(block_m=64, block_n_gate_up=128, num_warps=8, swap_ab=True, scale_weights=True)
         return cls(block_m=64, swap_ab=True, scale_weights=True)
@@ -286,7 +297,11 @@ class TritonExperts(PreparedExperts):
         self.kernels.route_count_kernel[(blocks,)](
             pair_experts, pair_rows, p, counts, counts.stride(0), blocks, BLOCK_P=block_p, NUM_DIGITS=digits,
         )
-        starts = torch.cumsum(counts, 1, dtype=torch.int32)  # integers: the same sum in any order
+        # Integer cumsums (the same sums in any order), a 1-D scan per order: torch's scan along the rows of the
+        # [2, N] tensor took 330 us against 11 for two 1-D scans at N = 262145 (Qwen3, M = 1024; H200, 2026-12-03).
+        starts = torch.empty_like(counts)
+        for order in range(2):
+            torch.cumsum(counts[order], 0, dtype=torch.int32, out=starts[order])
         self.kernels.route_scatter_kernel[(blocks,)](
             pair_experts, pair_rows, pair_weights, p, starts, starts.stride(0), blocks,
             rows, router, pairs, crows, cpairs, BLOCK_P=block_p, BLOCK_C=ROUTE_COMPARE_BLOCK, NUM_DIGITS=digits,
