@@ -13,14 +13,15 @@ Layout (made by kernels.backends.triton_moe from the canonical one), per project
   s: [E, Kp/G, Np] float32 signed scales (zero in the padding), N contiguous; the scale multiplies
      each group's fp32 partial dot (decode) or, SCALE_W, the 16-bit weights.
 Routing groups the pairs by expert -- bounds [E+1], and per sorted position the row, pair index
-and router weight -- and by row for the combine, both stable: up to ROUTE_SORT_MAX_PAIRS
-(kernels.backends.triton_moe) one program sorts them with tl.sort (sort_route_kernel, main's
-decode routing); above, a counting sort over many programs, O(P) work: route_count_kernel, a
-cumsum and route_scatter_kernel place the pairs by expert and by the row's low digit at once,
-then digit_count_kernel, a cumsum and digit_scatter_kernel once per further row digit. Positions
-depend only on the inputs; the only atomics count integers.
+and router weight -- and by row for the combine, both stable: up to ROUTE_SCAN_MAX_WORK
+(kernels.backends.triton_moe) one launch ranks them, each program owning a few experts or rows and
+scanning all pairs (scan_route_kernel, O((E + T) * P) work, no atomics); above, a counting sort over
+many programs, O(P) work: route_count_kernel, a cumsum and route_scatter_kernel place the pairs
+by expert and by the row's low digit at once, then digit_count_kernel, a cumsum and
+digit_scatter_kernel once per further row digit. Positions depend only on the inputs; the only
+atomics count integers.
 The combine finds a row's pairs through rbounds [T+1] (row t: positions [rbounds[t], rbounds[t+1])
-of the (row, pair) order): from the sort program's row counts, from the first pass's counts when
+of the (row, pair) order): from the ranking's row counts, from the first pass's counts when
 one pass sorts the rows, else a binary search (row_bounds_kernel).
 GEMMs: each expert's pairs split into BLOCK_M-row blocks; one program owns (row block, BLOCK_N
 output columns), so a dequantized weight tile serves BLOCK_M rows (16-32 for decode, 64-128 for
@@ -221,46 +222,64 @@ def _activate(x, ACTIVATION: tl.constexpr):
 # ---- routing ----------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _store_starts(starts_ptr, keys, valid, N, BLOCK: tl.constexpr):
-    """starts[k] = how many of the keys (each < N) are below k, k = 0..N: counts by integer atomics (exact
-    in any order), then an exclusive cumsum. One program; the barriers order its steps."""
-    offs = tl.arange(0, BLOCK)
-    tl.store(starts_ptr + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=offs <= N)
-    tl.debug_barrier()
-    tl.atomic_add(starts_ptr + keys, 1, mask=valid, sem="relaxed")
-    tl.debug_barrier()
-    counts = tl.load(starts_ptr + offs, mask=offs < N, other=0, volatile=True)
-    tl.debug_barrier()
-    tl.store(starts_ptr + offs, tl.cumsum(counts, 0) - counts, mask=offs <= N)  # starts[N] = all keys
+# ranking by scans: each program owns KEYS consecutive keys (experts, or rows) and scans every pair twice,
+# counting first, then placing its keys' pairs. O((E + T) * P) work in one launch: for decode and small prefill.
+PAST_KEYS = tl.constexpr(1 << 30)  # the key of padding lanes: above every real key and every program's keys
 
 
 @triton.jit
-def sort_route_kernel(
+def _scan_keys(keys_ptr, k0, K, P, starts_ptr, key_out, pair_out, rows_ptr, weights_ptr, sorted_rows_ptr,
+               sorted_weights_ptr, BLOCK_P: tl.constexpr, KEYS: tl.constexpr, BY_EXPERT: tl.constexpr):
+    """Keys k0..k0+KEYS-1 (< K) of keys [P]: starts[k + 1] = pairs with a key <= k (starts[0] = 0 by the program
+    of key 0), and each of their pairs to position starts[key] + its rank among the key's pairs in pair order.
+    BY_EXPERT: the position gets the pair index, its row and fp32 router weight; else the pair index and its key
+    (the row)."""
+    keys = k0 + tl.arange(0, KEYS)  # [KEYS]
+    below = tl.zeros([1], dtype=tl.int32)  # pairs with a key below k0
+    count = tl.zeros([KEYS], dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        offs = p0 + tl.arange(0, BLOCK_P)
+        key = tl.load(keys_ptr + offs, mask=offs < P, other=PAST_KEYS).to(tl.int32)  # [BP]
+        below += tl.sum((key < k0).to(tl.int32), 0)
+        count += tl.sum((key[:, None] == keys[None, :]).to(tl.int32), 0)
+    starts = below + tl.cumsum(count, 0) - count  # [KEYS] first position of each key
+    tl.store(starts_ptr + keys + 1, starts + count, mask=keys < K)
+    tl.store(starts_ptr + keys, starts, mask=keys == 0)
+    for p0 in range(0, P, BLOCK_P):
+        offs = p0 + tl.arange(0, BLOCK_P)
+        key = tl.load(keys_ptr + offs, mask=offs < P, other=PAST_KEYS).to(tl.int32)
+        hot = (key[:, None] == keys[None, :]).to(tl.int32)  # [BP, KEYS]
+        dest = tl.sum(hot * (tl.cumsum(hot, 0) + starts[None, :] - 1), 1)  # [BP] where each of my pairs goes
+        mine = (key >= k0) & (key < k0 + KEYS)
+        tl.store(pair_out + dest, offs, mask=mine)
+        if BY_EXPERT:
+            tl.store(sorted_rows_ptr + dest, tl.load(rows_ptr + offs, mask=mine, other=0).to(tl.int32), mask=mine)
+            tl.store(sorted_weights_ptr + dest, tl.load(weights_ptr + offs, mask=mine, other=0.0).to(tl.float32),
+                     mask=mine)
+        else:
+            tl.store(key_out + dest, key, mask=mine)
+        starts += tl.sum(hot, 0)
+
+
+@triton.jit
+def scan_route_kernel(
     experts_ptr, rows_ptr, weights_ptr, P, E, T,  # [P] local expert, row (< T), router weight of each pair
     bounds_ptr, srows_ptr, sweights_ptr, spairs_ptr,  # out: [E+1] int32; [P] row, fp32 weight, pair by expert
     crows_ptr, cpairs_ptr, rbounds_ptr,  # out: [P] int32 row and pair sorted by (row, pair); [T+1] int32
-    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, USE_GDC: tl.constexpr,
+    BLOCK_P: tl.constexpr, KEYS: tl.constexpr, USE_GDC: tl.constexpr,
 ):
-    """Both stable orders in one program, for P <= BLOCK_P (decode): tl.sort of key * BLOCK_P + pair
-    index (main's route_kernel), so the order depends only on the inputs; bounds[e] = pairs of experts
-    below e, rbounds[t] = pairs of rows below t. The caller keeps T * BLOCK_P below 2^31."""
-    offs = tl.arange(0, BLOCK_P)
-    valid = offs < P
-    ex = tl.load(experts_ptr + offs, mask=valid, other=0).to(tl.int32)
-    rows = tl.load(rows_ptr + offs, mask=valid, other=0).to(tl.int32)
-    _store_starts(bounds_ptr, ex, valid, E, BLOCK_E)
-    _store_starts(rbounds_ptr, rows, valid, T, BLOCK_T)
-
-    last = 2147483647  # padding lanes sort after every pair
-    by_expert = tl.sort(tl.where(valid, ex * BLOCK_P + offs, last))  # [BLOCK_P]
-    pair = by_expert % BLOCK_P
-    tl.store(spairs_ptr + offs, pair, mask=valid)
-    tl.store(srows_ptr + offs, tl.load(rows_ptr + pair, mask=valid, other=0).to(tl.int32), mask=valid)
-    tl.store(sweights_ptr + offs, tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32), mask=valid)
-    by_row = tl.sort(tl.where(valid, rows * BLOCK_P + offs, last))  # [BLOCK_P]
-    tl.store(crows_ptr + offs, by_row // BLOCK_P, mask=valid)
-    tl.store(cpairs_ptr + offs, by_row % BLOCK_P, mask=valid)
+    """Both stable orders by ranking, no atomics: programs 0..cdiv(E, KEYS)-1 own KEYS experts each, the rest
+    KEYS rows each (_scan_keys). Positions depend only on the inputs."""
+    if USE_GDC:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    expert_programs = tl.cdiv(E, KEYS)
+    if pid < expert_programs:
+        _scan_keys(experts_ptr, pid * KEYS, E, P, bounds_ptr, srows_ptr, spairs_ptr, rows_ptr, weights_ptr,
+                   srows_ptr, sweights_ptr, BLOCK_P, KEYS, True)
+    else:
+        _scan_keys(rows_ptr, (pid - expert_programs) * KEYS, T, P, rbounds_ptr, crows_ptr, cpairs_ptr, rows_ptr,
+                   weights_ptr, srows_ptr, sweights_ptr, BLOCK_P, KEYS, False)
 
 
 # stable counting sort, digit by digit, over many programs: O(P) work in a fixed number of launches.

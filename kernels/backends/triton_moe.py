@@ -1,7 +1,7 @@
 """Triton backend: grouped W4A16 MoE on CUDA and ROCm (gfx11) GPUs, routing, then three launches per layer.
 
-    routing:        pairs grouped by expert and by row -> Routes  (sort_route_kernel, one
-                    program, for few pairs; else counting sorts: route_count_kernel, cumsum,
+    routing:        pairs grouped by expert and by row -> Routes  (scan_route_kernel, one
+                    ranking launch, for few pairs and rows; else counting sorts: route_count_kernel, cumsum,
                     route_scatter_kernel, and for rows of more than 8 bits digit_count_kernel,
                     cumsum, digit_scatter_kernel per further digit)
     gate_up_kernel: x[rows] @ w13[e]^T -> act(gate) * up          [P, I]  (fp16/bf16); zeroes out
@@ -31,17 +31,18 @@ COMBINE_BLOCK_R, COMBINE_BLOCK_N = 8, 256  # pairs a combine program adds per st
 ROW_BOUNDS_BLOCK = 1024  # rows a row_bounds_kernel program searches for
 RADIX_BITS = 8  # at most 2^8 digits per routing pass over rows
 FEW_EXPERTS = 16  # for_load: up to here a layer's experts are few and large (Mixtral), above many and small (Qwen3)
-# Up to here one program sorts all pairs (tl.sort, main's decode routing); above, counting passes. H200, Qwen3
-# (128 experts), 2026-12-02: the counting passes took 24.3 / 25.0 us at 512 / 1024 pairs, a one-program
-# ranking 8.8 / 20.8 us at 128 / 256, while main's whole layer with this sort took 107-130 us at 128-1024
-# pairs (the branch's 116-154); at 2048 pairs the counting passes took 16.8 us and main's layer 158 against 139.
-ROUTE_SORT_MAX_PAIRS = 1024
-ROUTE_SORT_MAX_ROWS = 1024  # ... if the rows are this few too (T * the sort's block stays below 2^31)
-# Warps of the sorting program: 8 above 256 pairs. H200, Qwen3 shapes, 2026-12-02 (graph us, warps 4 / 8 / 16 / 32):
-# 128 pairs 6.6 / 6.3 / 6.8 / 5.9, 256 4.9 / 5.1 / 5.6 / 7.9, 512 7.1 / 6.5 / 7.0 / 9.3, 1024 16.6 / 11.6 / 11.4 / 12.0;
-# at 2048 pairs the sort took 52.6 / 33.9 / 24.3 / 22.8 against the counting passes' 16.9.
-ROUTE_SORT_WARPS, ROUTE_SORT_WARPS_FEW, ROUTE_SORT_FEW_PAIRS = 8, 4, 256
 ROUTE_COMPARE_BLOCK = 32  # pairs a counting program compares its own with per step
+# Up to (E + T) * P this many, one ranking launch routes (scan_route_kernel); above, the counting passes. It
+# replaced main's one-program tl.sort (sort_route_kernel, up to 1024 pairs and rows). H200, 2026-12-03, graph us of
+# the routing alone: Qwen3 at M = 1 / 2 / 4 / 8 (128-1024 pairs) sort 3.6 / 4.8 / 6.3 / 11.3 -> ranking 3.0 / 3.4 /
+# 3.6 / 4.6; at M = 16 / 64 / 128 counting 15.4 / 34.4 / 36.3 -> ranking 6.7 / 42.7 / 132; Mixtral at M = 8 / 64 /
+# 128 sort 3.9 / 6.6 / 12.3 -> 2.9 / 3.6 / 5.1, at 256 counting 29.7 -> 10.1. Whole layer, Qwen3 at M = 1 / 2 / 4 /
+# 8 / 16: 103.2 / 104.9 / 107.4 / 114.6 / 128.2 -> 102.1 / 102.9 / 103.7 / 106.6 / 113.1 (best of three interleaved
+# rounds); Mixtral's decode within its spread in that run (208-238 us both ways). The sort program signalling its
+# dependents at its start changed nothing (within 0.5 us).
+ROUTE_SCAN_MAX_WORK = 1 << 22
+ROUTE_SCAN_PROGRAMS = 1024  # ranking: the fewest keys per program that keep the programs this few (512: within 1 us)
+ROUTE_SCAN_ELEMENTS = 4096  # pairs x keys a ranking program compares per step (2048 / 8192: within 1 us)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,22 +273,24 @@ class TritonExperts(PreparedExperts):
     def route(self, pair_rows, pair_experts, pair_weights, num_rows: int) -> Routes:
         """Pairs grouped by expert and by row (rows in [0, num_rows)), both stable.
 
-        Up to ROUTE_SORT_MAX_PAIRS pairs and ROUTE_SORT_MAX_ROWS rows: one program sorts them
-        (sort_route_kernel). Else stable counting sorts, O(P) work in count / cumsum / scatter
+        Up to ROUTE_SCAN_MAX_WORK (experts + rows) x pairs: one launch ranks them (scan_route_kernel;
+        a program per few experts or rows). Else stable counting sorts, O(P) work in count / cumsum / scatter
         launches: the first pass by expert and by the row's low digit at once, then LSD passes of up
         to RADIX_BITS bits for the rest of the row, and a binary search for the row bounds.
         """
         e, p, dev = self.num_experts, pair_rows.numel(), pair_rows.device
         pairs, rows, crows, cpairs = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(4))
         router = torch.empty(p, dtype=torch.float32, device=dev)
-        if p <= ROUTE_SORT_MAX_PAIRS and num_rows <= ROUTE_SORT_MAX_ROWS:
+        if (e + num_rows) * p <= ROUTE_SCAN_MAX_WORK:
+            keys = 1
+            while _cdiv(e, keys) + _cdiv(num_rows, keys) > ROUTE_SCAN_PROGRAMS:
+                keys *= 2
             bounds = torch.empty(e + 1, dtype=torch.int32, device=dev)
             row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=dev)
-            self.kernels.sort_route_kernel[(1,)](
+            self.kernels.scan_route_kernel[(_cdiv(e, keys) + _cdiv(num_rows, keys),)](
                 pair_experts, pair_rows, pair_weights, p, e, num_rows, bounds, rows, router, pairs, crows, cpairs,
-                row_bounds, BLOCK_P=max(16, _next_pow2(p)), BLOCK_E=_next_pow2(e + 1),
-                BLOCK_T=_next_pow2(num_rows + 1), USE_GDC=has_dependent_launch(dev),
-                num_warps=ROUTE_SORT_WARPS_FEW if p <= ROUTE_SORT_FEW_PAIRS else ROUTE_SORT_WARPS,
+                row_bounds, BLOCK_P=max(16, min(_next_pow2(p), ROUTE_SCAN_ELEMENTS // keys)), KEYS=keys,
+                USE_GDC=has_dependent_launch(dev), num_warps=4,
             )
             return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds)
         row_bits = max(1, (num_rows - 1).bit_length())

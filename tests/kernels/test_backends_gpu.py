@@ -166,14 +166,15 @@ def test_triton_model_shape(cuda, rel_error, tokens):
 
 
 @pytest.mark.parametrize(
-    "experts,pairs", [(128, 1), (128, 256), (128, 1024), (6, 37), (3, 5000), (128, 9000), (256, 70000)]
+    "experts,pairs", [(128, 1), (128, 256), (128, 1024), (128, 3000), (6, 37), (3, 5000), (128, 9000), (256, 70000)]
 )
-# up to 1024 rows the sorting program takes up to 1024 pairs; counting: one, two (1000, 1 << 14), three passes by row
+# up to (experts + rows) * pairs = 2^22 one ranking launch (1 or more keys per program, one or two steps over the
+# pairs at 1000 rows); counting: one, two (1000, 1 << 14), three passes by row
 @pytest.mark.parametrize("num_rows", [1, 1000, 1 << 14, 1 << 20])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 def test_triton_route(cuda, experts, pairs, num_rows, index_dtype):
-    """Pairs grouped by expert and by row, both stable (one sorting program up to
-    ROUTE_SORT_MAX_PAIRS, counting sorts above): exactly torch's stable sorts, so the positions
+    """Pairs grouped by expert and by row, both stable (one ranking launch up to
+    ROUTE_SCAN_MAX_WORK, counting sorts above): exactly torch's stable sorts, so the positions
     depend only on the inputs."""
     gen = torch.Generator().manual_seed(pairs)
     pair_experts = torch.randint(0, experts, (pairs,), generator=gen)

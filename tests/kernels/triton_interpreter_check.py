@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from kernels.backends import triton_moe
 from kernels.backends.triton_moe import TritonConfig, TritonExperts
 from kernels.quant import Int4Weights, W4A16ExpertWeights, pack_int4
 from kernels.reference import moe_experts_w4a16_reference
 
 
 def check_route(experts: int, pairs: int, num_rows: int, gen: torch.Generator) -> None:
-    """Both routings give exactly torch's stable sorts: one sorting program and, above
-    ROUTE_SORT_MAX_PAIRS pairs or ROUTE_SORT_MAX_ROWS rows, counting (several blocks; by row one
-    pass, or two past 8 row bits)."""
+    """Both routings give exactly torch's stable sorts: one ranking launch and, above
+    ROUTE_SCAN_MAX_WORK, counting (several blocks; by row one pass, or two past 8 row bits)."""
     pair_experts = torch.randint(0, experts, (pairs,), generator=gen)
     pair_rows = torch.randint(0, num_rows, (pairs,), generator=gen)
     pair_weights = torch.rand(pairs, generator=gen)
@@ -37,11 +37,16 @@ def check_route(experts: int, pairs: int, num_rows: int, gen: torch.Generator) -
 
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
-    # (experts, pairs, rows): sorting program (the first and the last two of up to 1024 pairs), then counting
-    routings = [(6, 37, 50), (4, 50, 5000), (128, 1500, 200), (128, 1500, 1000), (3, 600, 1 << 9),
-                (128, 1024, 1000), (128, 9000, 1 << 12)]
-    for experts, pairs, num_rows in routings:
+    # (experts, pairs, rows): one ranking launch (a key per program; 8 keys; 2 keys over two steps of pairs),
+    # then the counting passes, forced (the first sorts whole rows; one more pass by row; two more)
+    ranked = [(6, 37, 50), (4, 50, 5000), (3, 600, 1 << 9), (128, 3000, 1000)]
+    counted = [(128, 1500, 200), (128, 1500, 1000), (128, 9000, 1 << 12)]
+    for experts, pairs, num_rows in ranked:
         check_route(experts, pairs, num_rows, gen)
+    scan_max_work, triton_moe.ROUTE_SCAN_MAX_WORK = triton_moe.ROUTE_SCAN_MAX_WORK, 0
+    for experts, pairs, num_rows in counted:
+        check_route(experts, pairs, num_rows, gen)
+    triton_moe.ROUTE_SCAN_MAX_WORK = scan_max_work
     # (experts, hidden, inter, group, tokens per expert, rows, config): partial N tiles, 2 M tiles,
     # gelu; rows None = 2 * tokens + 1. The third puts all 20 pairs on one row: the combine adds
     # more than one window (COMBINE_BLOCK_R = 8) of a row's pairs. The fourth launches main's decode
@@ -76,7 +81,7 @@ def main() -> None:
         ref = moe_experts_w4a16_reference(x, pair_rows, pair_experts, pair_weights, weights, activation)
         err = (out - ref).abs().max().item() / ref.abs().max().item()
         assert err < 1e-2, f"case {experts, hidden, inter, group, tokens}: relative error {err}"
-    print("checked", len(cases), "cases and", len(routings), "routings")
+    print("checked", len(cases), "cases and", len(ranked) + len(counted), "routings")
 
 
 if __name__ == "__main__":
