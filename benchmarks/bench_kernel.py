@@ -327,22 +327,23 @@ def decode_neighbours(cfg) -> list:
 
 
 def prefill_neighbours(cfg) -> list:
-    """cfg and one step from it in each prefill direction: down tiles of 256 rows, 4 stages, 4 <-> 8 warps in
-    down, no grouping of row blocks (group_m 1); below 128-row blocks also 4 <-> 8 warps in both and gate_up
-    tiles twice as wide with 8 warps (at 128 rows, two 128 x 128 fp32 accumulators already fill 8 warps'
-    registers). Tiles narrower than the stored ones (64-row down tiles) would need the weights packed again."""
+    """cfg and one step from it in each prefill direction: down tiles of 128 <-> 256 rows (on the launch's warps),
+    4 stages, 4 <-> 8 warps in down, no grouping of row blocks (group_m 1); below 128-row blocks also 4 <-> 8
+    warps in both and gate_up tiles twice as wide with 8 warps (at 128 rows, two 128 x 128 fp32 accumulators
+    already fill 8 warps' registers). Tiles narrower than the stored ones (64-row down tiles) would need the
+    weights packed again."""
     other_warps = 12 - cfg.num_warps  # 4 <-> 8
     configs = [
         cfg,
-        replace(cfg, block_n_down=256),
+        replace(cfg, block_n_down=128 if cfg.block_n_down == 256 else 256, num_warps_down=None),
         replace(cfg, num_stages=4),
-        replace(cfg, num_warps_down=other_warps),
+        replace(cfg, num_warps_down=12 - (cfg.num_warps_down or cfg.num_warps)),
         replace(cfg, group_m=1),
     ]
     if cfg.block_m < 128:
         configs += [replace(cfg, num_warps=other_warps),
                     replace(cfg, block_n_gate_up=min(256, 2 * cfg.block_n_gate_up), num_warps=8)]
-    return configs
+    return list(dict.fromkeys(configs))
 
 
 def sweep_configs(num_experts: int, tokens: list[int]) -> dict:

@@ -146,9 +146,24 @@ class TritonConfig:
         128, Qwen3 517 against 540; 1452/1729 and 954/1009 at 256); 64 rows up to 64 (128 rows:
         700 against 433 us, 667 against 521). At 64 rows, few large experts take gate_up tiles of
         128 columns with 8 warps (433 against 518 us), many small ones 64 with 4 (521 against 531).
-        Above 64, many small experts take down blocks of 256 columns (two stored tiles, 8 warps): Qwen3
-        892.7 / 3335.5 against 949.6 / 3572.8 us at M = 256 / 1024 (2026-12-03, one run; at 64-row blocks,
-        M = 64, 327.7 against 298.8); few large ones not re-measured.
+        Down's column blocks from M = 48 (2026-12-03 afternoon, H200, three interleaved rounds, graph us of down
+        alone and of the whole layer): many small experts above M = 64 take 128 columns on 4 warps (down 162 /
+        306 / 1148-1211 -> 150 / 281 / 1056-1086 at M = 128 / 256 / 1024, layer 439-441 / 810-812 / 2988-3040 ->
+        428-429 / 784-788 / 2941-3010), no longer 256 columns on 8 warps (which had beaten 128 on 8 warps the
+        morning before: 893 / 3336 against 950 / 3573 at M = 256 / 1024); few large experts from M = 48 take 256
+        columns on 8 warps (down 177 -> 151 at M = 64, 1976-2131 -> 1818-1945 at 1024; layer 450.5-451.2 ->
+        424.1-424.7 at 64, 658-682 -> 628-651 at 128, 1300-1392 -> 1241-1340 at 256, 5493-5568 -> 5244-5433
+        at 1024). Not taken (down alone, Qwen3 at M = 256 / 1024 against 306 / 1148-1211): 2 / 4 stages 353 /
+        1331, 308 / 1175; 128 columns on 8 warps 364 / 1381 (2 stages 443 / 1661), on 4 warps with 2 / 4
+        stages 309 / 1151, 438 / 1699; down's own 64-row blocks on 8 / 4 warps 392 / 1499, 403 / 1518 (with
+        128 columns on 4 warps 302 / 1185, with 4 stages 401 / 1552); 256-row down blocks, 128 columns, 8 warps
+        290 / 1087-1108 (2 stages 339 / 1247); gate_up too on 4 warps and 64 columns, layer 797-799 /
+        2968-3096 against 784-788 / 2941-3010; gate_up on 4 stages 792-793 / 2999-3025. Qwen3 at M = 64
+        (layer 281.7-282.0): down on 2 / 4 stages 317.5 / 301.3, on 8 warps 338.9, 32-row down blocks 297.1
+        (256 columns, 8 warps 305.9), gate_up on 2 / 4 stages 295.4 / 311.8, on 128 columns 281.4. Mixtral at
+        M = 1024 against 256 columns' 5244-5433: 4 stages 5237-5380, with gate_up on 4 stages 5282-5349, 128
+        columns on 4 warps 5414-5557. Qwen3's decode on 256-column down blocks, 4 / 2 warps: 104.4 / 109.9 at
+        M = 1, 109.8 / 116.5 at 8, 115.8 / 119.4 at 16 against 101.8-102.2 / 106.9 / 113.7-113.8.
         """
         per_expert = -(-num_pairs // num_experts)
         few = num_experts <= FEW_EXPERTS
@@ -160,10 +175,11 @@ class TritonConfig:
             return cls(block_m=32)
         if per_expert > 64:
             if few:
-                return cls(block_m=128, block_n_gate_up=128, num_warps=8, swap_ab=True, scale_weights=True)
-            return cls(block_m=128, block_n_gate_up=128, block_n_down=256, num_warps=8, swap_ab=True, scale_weights=True)
+                return cls(block_m=128, block_n_gate_up=128, block_n_down=256, num_warps=8, swap_ab=True,
+                           scale_weights=True)
+            return cls(block_m=128, block_n_gate_up=128, num_warps=8, num_warps_down=4, swap_ab=True, scale_weights=True)
         if few:
-            return cls(block_m=64, block_n_gate_up=128, num_warps=8, swap_ab=True, scale_weights=True)
+            return cls(block_m=64, block_n_gate_up=128, block_n_down=256, num_warps=8, swap_ab=True, scale_weights=True)
         return cls(block_m=64, swap_ab=True, scale_weights=True)
 
 

@@ -93,8 +93,8 @@ def test_triton_expert_grid_matches_reference(cuda, moe_problem, rel_error, hidd
 
 
 @pytest.mark.parametrize("hidden,inter,group", SHAPES)
-# for_load's prefill tiles: 64-row blocks for few large and for many small experts, 128-row blocks (the same for both)
-@pytest.mark.parametrize("tokens,layer_experts", [(48, 8), (48, 128), (200, 8)])
+# for_load's prefill tiles: 64-row and 128-row blocks, each for few large and for many small experts
+@pytest.mark.parametrize("tokens,layer_experts", [(48, 8), (48, 128), (200, 8), (200, 128)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("ptx", [True, False], ids=["ptx", "triton-dequant"])
 def test_triton_prefill_matches_reference(cuda, moe_problem, rel_error, hidden, inter, group, tokens, layer_experts,
