@@ -92,7 +92,7 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-# ---- round-trip clients, one per path: start(payload) sends to every peer, finish() collects ----
+# ---- round-trip clients, one per path: round_trip(payload, peers) sends to each peer, then collects ----
 
 
 class Floor:
@@ -102,10 +102,11 @@ class Floor:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.head, self.buffer = bytearray(LENGTH.size), bytearray(SIZES[-1])
 
-    def round_trip(self, payload: memoryview, fanout: int) -> None:
-        for s in self.socks[:fanout]:
+    def round_trip(self, payload: memoryview, peers: list[int]) -> None:
+        socks = [self.socks[i] for i in peers]
+        for s in socks:
             send_parts(s, [LENGTH.pack(len(payload)), payload])
-        for s in self.socks[:fanout]:
+        for s in socks:
             recv_into_exactly(s, memoryview(self.head))
             (n,) = LENGTH.unpack(self.head)
             recv_into_exactly(s, memoryview(self.buffer)[:n])
@@ -120,8 +121,8 @@ class Plane:
         self.channels = [open_channel(w, e, info, plane, 60, security) for w, (e, info) in enumerate(zip(endpoints, infos))]
         assert {c.plane for c in self.channels} == {plane}
 
-    def round_trip(self, payload: memoryview, fanout: int) -> None:
-        requests = [(c, c.send_echo(payload)) for c in self.channels[:fanout]]
+    def round_trip(self, payload: memoryview, peers: list[int]) -> None:
+        requests = [(self.channels[i], self.channels[i].send_echo(payload)) for i in peers]
         for channel, request in requests:
             channel.receive(request)
 
@@ -137,8 +138,8 @@ class UnaryProtobuf:
         self.channels = [security.channel(e) for e in endpoints]
         self.stubs = [pb_grpc.ExpertServiceStub(c) for c in self.channels]
 
-    def round_trip(self, tensor: torch.Tensor, fanout: int) -> None:
-        calls = [stub.Echo.future(codec.encode(tensor), timeout=60) for stub in self.stubs[:fanout]]
+    def round_trip(self, tensor: torch.Tensor, peers: list[int]) -> None:
+        calls = [self.stubs[i].Echo.future(codec.encode(tensor), timeout=60) for i in peers]
         for call in calls:
             codec.decode(call.result())
 
@@ -151,26 +152,34 @@ ROUNDS = 32  # each path's round trips come in short blocks that alternate with 
 BLOCK_S = 0.015  # a block lasts this long, and holds at least one round trip
 
 
+def peers(first: int, fanout: int) -> list[int]:
+    """The `fanout` peers a round trip goes to, from peer `first` on."""
+    return [(first + i) % NUM_WORKERS for i in range(fanout)]
+
+
 def measure_interleaved(clients: dict, data: dict, fanout: int, servers: dict) -> dict[str, dict]:
     """Round trips of every path for one (payload, fan-out), in short blocks that alternate
     between the paths, in a new order every round: the machine's drift over time (and whatever
     else it runs) falls on all of them alike, and no path always follows the same one (whose
     servers may still be winding down), so that their ratios hold within a run even where the
-    absolute times move from run to run."""
+    absolute times move from run to run. A fan-out below NUM_WORKERS goes to other peers each
+    round (round r starts at peer r), every path alike: one server process alone was seen to run
+    its round trips up to 2x slower or faster than its twin for its whole life on this 2-vCPU VM,
+    the raw-TCP echo as much as the workers, so a figure from one peer measured that peer's luck."""
     times = {path: [] for path in clients}
     cpu = {path: [0.0, 0.0] for path in clients}
     for path, client in clients.items():
-        for _ in range(3):
-            client.round_trip(data[path], fanout)
+        for first in range(NUM_WORKERS):
+            client.round_trip(data[path], peers(first, fanout))
     order = random.Random(0)  # the same orders every run
-    for _ in range(ROUNDS):
+    for r in range(ROUNDS):
         for path in order.sample(list(clients), len(clients)):
-            client = clients[path]
+            client, chosen = clients[path], peers(r, fanout)
             server0 = cpu_seconds(servers[path])
             cpu0, start, n = time.process_time(), time.perf_counter(), 0
             while n < 1 or time.perf_counter() - start < BLOCK_S:
                 t = time.perf_counter()
-                client.round_trip(data[path], fanout)
+                client.round_trip(data[path], chosen)
                 times[path].append(time.perf_counter() - t)
                 n += 1
             cpu[path][0] += time.process_time() - cpu0
