@@ -61,7 +61,9 @@ VLLM_ARGS = ("--dtype", "bfloat16", "--max-model-len", "2048", "--kv-cache-memor
 DECODE_TOKENS = 48
 # A long context, so that attention is a real part of the attention node's time per layer.
 PROMPT = " ".join(["In the beginning of the long winter the village gathered its wood, its grain and its stories."] * 50)
-ROUNDS = 3
+# The rounds of one point were seen to spread by +-20% (45.8-65.8 ms), about the differences between
+# m this bench is for: a median of 3 moved by more than line 4's 5%. Each point prints its spread.
+ROUNDS = 5
 
 
 @dataclass
@@ -76,6 +78,7 @@ class Point:
     steps_by_microbatches: dict[str, float] | None = None  # decode steps measured, by the m they ran in
     streams_tokens_per_s: float = 0.0  # 16 clients streaming at once
     streams_failed: int = 0
+    step_ms_rounds: list[float] | None = None  # each round's decode step, in the order measured
 
     @property
     def label(self) -> str:
@@ -196,7 +199,8 @@ class Server:
         return Point(self.regime, self.m, 1e3 * statistics.median(self.steps), statistics.median(self.rates),
                      1e3 * statistics.median(self.forwards), 1e3 * statistics.median(self.waits),
                      steps_by_microbatches={k: v for k, v in sorted(self.by_m.items()) if v},
-                     streams_tokens_per_s=self.streams[0], streams_failed=self.streams[1])  # fmt: skip
+                     streams_tokens_per_s=self.streams[0], streams_failed=self.streams[1],
+                     step_ms_rounds=[1e3 * s for s in self.steps])  # fmt: skip
 
 
 # vLLM's engine and model worker poll their shared-memory queues (sched_yield) for a second after
@@ -340,16 +344,17 @@ def main() -> None:
                 logger.info("%s", point)
     finally:
         cluster.stop()
-    header = (f"{'regime':22} {'m':>4} {'step ms':>8} {'ideal ms':>9} {'x m=1':>6} {'x best m':>8} {'tok/s':>7} "
-              f"{'wait ms':>8} {'16 streams tok/s':>16} {'failed':>6}  decode steps by m")  # fmt: skip
+    header = (f"{'regime':22} {'m':>4} {'step ms':>8} {'rounds ms':>11} {'ideal ms':>9} {'x m=1':>6} {'x best m':>8} "
+              f"{'tok/s':>7} {'wait ms':>8} {'16 streams tok/s':>16} {'failed':>6}  decode steps by m")  # fmt: skip
     lines = [header]
     for pt in points:
         base = next(q for q in points if q.regime == pt.regime and q.microbatches == 1)
         fixed = min(q.step_ms for q in points if q.regime == pt.regime and q.microbatches is not None)
         ideal = "" if pt.ideal_step_ms is None else f"{pt.ideal_step_ms:.2f}"
         by_m = " ".join(f"{k}:{v:.0f}" for k, v in (pt.steps_by_microbatches or {}).items())
-        lines.append(f"{pt.regime:22} {pt.label:>4} {pt.step_ms:8.2f} {ideal:>9} {pt.step_ms / base.step_ms:6.2f} "
-                     f"{pt.step_ms / fixed:8.2f} {pt.tokens_per_s:7.0f} {pt.expert_wait_ms:8.2f} "
+        spread = f"{min(pt.step_ms_rounds):.1f}-{max(pt.step_ms_rounds):.1f}"
+        lines.append(f"{pt.regime:22} {pt.label:>4} {pt.step_ms:8.2f} {spread:>11} {ideal:>9} "
+                     f"{pt.step_ms / base.step_ms:6.2f} {pt.step_ms / fixed:8.2f} {pt.tokens_per_s:7.0f} {pt.expert_wait_ms:8.2f} "
                      f"{pt.streams_tokens_per_s:16.0f} {pt.streams_failed:6d}  {by_m}")  # fmt: skip
     for regime, delays in regimes.items():
         lines.append(f"{regime}: workers hold each reply {delays['delay_ms']:.2f} ms + "
@@ -388,6 +393,8 @@ def plot(points: list[Point], path: Path) -> None:
     for regime in dict.fromkeys(pt.regime for pt in points if pt.ideal_step_ms is not None):
         mine = [pt for pt in points if pt.regime == regime and pt.microbatches is not None]
         (line,) = ax.plot([pt.microbatches for pt in mine], [pt.step_ms for pt in mine], "o-", label=f"{regime}")
+        ax.vlines([pt.microbatches for pt in mine], [min(pt.step_ms_rounds) for pt in mine],
+                  [max(pt.step_ms_rounds) for pt in mine], color=line.get_color(), alpha=0.4)  # the rounds' spread
         ax.plot([pt.microbatches for pt in mine], [pt.ideal_step_ms for pt in mine], "--", color=line.get_color(),
                 label=f"{regime}, ideal (DESIGN §4)")  # fmt: skip
         for pt in points:
