@@ -228,12 +228,12 @@ PAST_KEYS = tl.constexpr(1 << 30)  # the key of padding lanes: above every real 
 
 
 @triton.jit
-def _scan_keys(keys_ptr, k0, K, P, starts_ptr, key_out, pair_out, rows_ptr, weights_ptr, sorted_rows_ptr,
-               sorted_weights_ptr, BLOCK_P: tl.constexpr, KEYS: tl.constexpr, BY_EXPERT: tl.constexpr):
+def _scan_keys(keys_ptr, k0, K, P, starts_ptr, pair_out, rows_out, rows_ptr, weights_ptr, weights_out,
+               BLOCK_P: tl.constexpr, KEYS: tl.constexpr, BY_EXPERT: tl.constexpr):
     """Keys k0..k0+KEYS-1 (< K) of keys [P]: starts[k + 1] = pairs with a key <= k (starts[0] = 0 by the program
     of key 0), and each of their pairs to position starts[key] + its rank among the key's pairs in pair order.
-    BY_EXPERT: the position gets the pair index, its row and fp32 router weight; else the pair index and its key
-    (the row)."""
+    The position gets the pair index and its row; BY_EXPERT (keys are experts) also its fp32 router weight,
+    else the keys are the rows."""
     keys = k0 + tl.arange(0, KEYS)  # [KEYS]
     below = tl.zeros([1], dtype=tl.int32)  # pairs with a key below k0
     count = tl.zeros([KEYS], dtype=tl.int32)
@@ -253,11 +253,10 @@ def _scan_keys(keys_ptr, k0, K, P, starts_ptr, key_out, pair_out, rows_ptr, weig
         mine = (key >= k0) & (key < k0 + KEYS)
         tl.store(pair_out + dest, offs, mask=mine)
         if BY_EXPERT:
-            tl.store(sorted_rows_ptr + dest, tl.load(rows_ptr + offs, mask=mine, other=0).to(tl.int32), mask=mine)
-            tl.store(sorted_weights_ptr + dest, tl.load(weights_ptr + offs, mask=mine, other=0.0).to(tl.float32),
-                     mask=mine)
+            tl.store(rows_out + dest, tl.load(rows_ptr + offs, mask=mine, other=0).to(tl.int32), mask=mine)
+            tl.store(weights_out + dest, tl.load(weights_ptr + offs, mask=mine, other=0.0).to(tl.float32), mask=mine)
         else:
-            tl.store(key_out + dest, key, mask=mine)
+            tl.store(rows_out + dest, key, mask=mine)
         starts += tl.sum(hot, 0)
 
 
@@ -275,11 +274,11 @@ def scan_route_kernel(
     pid = tl.program_id(0)
     expert_programs = tl.cdiv(E, KEYS)
     if pid < expert_programs:
-        _scan_keys(experts_ptr, pid * KEYS, E, P, bounds_ptr, srows_ptr, spairs_ptr, rows_ptr, weights_ptr,
-                   srows_ptr, sweights_ptr, BLOCK_P, KEYS, True)
+        _scan_keys(experts_ptr, pid * KEYS, E, P, bounds_ptr, spairs_ptr, srows_ptr, rows_ptr, weights_ptr,
+                   sweights_ptr, BLOCK_P, KEYS, True)
     else:
-        _scan_keys(rows_ptr, (pid - expert_programs) * KEYS, T, P, rbounds_ptr, crows_ptr, cpairs_ptr, rows_ptr,
-                   weights_ptr, srows_ptr, sweights_ptr, BLOCK_P, KEYS, False)
+        _scan_keys(rows_ptr, (pid - expert_programs) * KEYS, T, P, rbounds_ptr, cpairs_ptr, crows_ptr, rows_ptr,
+                   weights_ptr, sweights_ptr, BLOCK_P, KEYS, False)
 
 
 # stable counting sort, digit by digit, over many programs: O(P) work in a fixed number of launches.
