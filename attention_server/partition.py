@@ -86,10 +86,26 @@ class Split:
         self.turns[grouped[starts]] += counts
 
 
+# Up to this many pairs (decode: a few tokens times top-k) one pass in plain Python over the pairs
+# beats the numpy pass below, whose two dozen calls cost a few microseconds each however small
+# the arrays: on the development machine 56 against 143 us for one token, top-4 over 8 shards,
+# 132 against 183 us for 16 tokens.
+SMALL_PAIRS = 64
+
+
 def partition(topk_ids: torch.Tensor, topk_weights: torch.Tensor, shards: np.ndarray,
               split: Split | None = None) -> DispatchPlan:  # fmt: skip
     """topk_ids, topk_weights: [T, k]; shards: [E] int64, the shard of each expert; split: the
     experts dealt over several shards instead."""
+    num_tokens, k = topk_ids.shape
+    if split is None and num_tokens * k <= SMALL_PAIRS:
+        return _partition_small(topk_ids, topk_weights, shards)
+    return _partition_arrays(topk_ids, topk_weights, shards, split)
+
+
+def _partition_arrays(topk_ids: torch.Tensor, topk_weights: torch.Tensor, shards: np.ndarray,
+                      split: Split | None) -> DispatchPlan:  # fmt: skip
+    """partition() in numpy calls, whose number does not grow with the pairs."""
     num_tokens, k = topk_ids.shape
     ids = topk_ids.reshape(-1).cpu().numpy().astype(np.int32, copy=False)  # [P = T*k]
     weights = topk_weights.reshape(-1).float().cpu().numpy()  # [P]
@@ -120,3 +136,35 @@ def partition(topk_ids: torch.Tensor, topk_weights: torch.Tensor, shards: np.nda
         for i, shard in enumerate(owners[starts].tolist())
     )
     return DispatchPlan(num_tokens=num_tokens, slices=slices, expert_pairs=np.bincount(ids, minlength=len(shards)))
+
+
+def _partition_small(topk_ids: torch.Tensor, topk_weights: torch.Tensor, shards: np.ndarray) -> DispatchPlan:
+    """partition() without a split, pair by pair in Python: the same plan, bit for bit."""
+    num_tokens, k = topk_ids.shape
+    ids = topk_ids.reshape(-1).tolist()  # [P] in token order
+    bits = topk_weights.reshape(-1).float().cpu().view(torch.int32).tolist()  # the weights' float32 bits
+    shard_of = shards.tolist()
+    by_shard: dict[int, list[int]] = {}
+    for p, expert in enumerate(ids):
+        by_shard.setdefault(shard_of[expert], []).append(p)
+    owners = sorted(by_shard)
+    row_of_pair, sorted_ids, sorted_bits, rows, bounds, row_bounds = [], [], [], [], [0], [0]
+    for shard in owners:
+        first_row = len(rows)
+        for p in by_shard[shard]:  # token order
+            if len(rows) == first_row or rows[-1] != p // k:
+                rows.append(p // k)
+            row_of_pair.append(len(rows) - 1 - first_row)
+            sorted_ids.append(ids[p])
+            sorted_bits.append(bits[p])
+        bounds.append(len(sorted_ids))
+        row_bounds.append(len(rows))
+    pairs = np.array([row_of_pair, sorted_ids, sorted_bits], dtype=np.int32)
+    row_array = np.array(rows, dtype=np.int64)
+    slices = tuple(
+        ShardSlice(shard, torch.from_numpy(row_array[row_bounds[i] : row_bounds[i + 1]]),
+                   torch.from_numpy(pairs[:, bounds[i] : bounds[i + 1]].copy()))  # fmt: skip
+        for i, shard in enumerate(owners)
+    )
+    return DispatchPlan(num_tokens=num_tokens, slices=slices,
+                        expert_pairs=np.bincount(np.array(ids, dtype=np.int64), minlength=len(shards)))  # fmt: skip

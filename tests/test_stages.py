@@ -11,7 +11,7 @@ import torch
 from attention_server.combine import combine
 from attention_server.transport.base import ExpertTransport
 from attention_server.transport.grpc_stream import GrpcStreamChannel
-from attention_server.partition import DispatchPlan, partition
+from attention_server.partition import SMALL_PAIRS, DispatchPlan, _partition_arrays, _partition_small, partition
 from kernels.reference import DenseExpertWeights, moe_experts_reference
 from protos import frames
 from protos.placement import Placement
@@ -48,6 +48,31 @@ def test_partition_sends_each_pair_to_its_owner_once():
     assert all(a < b for a, b in zip(shards, shards[1:])), f"one slice per shard, ascending: {shards}"
     # The per-expert load the metrics publish: what torch counts in the routing itself.
     assert plan.expert_pairs.tolist() == torch.bincount(ids.flatten().long(), minlength=E).tolist()
+
+
+def test_small_partition_is_the_array_partition_bit_for_bit():
+    """Decode-sized routings take a pass in plain Python; it must build the numpy pass's plan: the
+    same slices, rows, pair blocks (the weights' bits included) and per-expert counts."""
+    g = torch.Generator().manual_seed(5)
+    for num_tokens, k, num_shards in [(1, 4, 8), (1, 8, 8), (2, 4, 3), (5, 2, 16), (16, 4, 8), (8, 8, 1)]:
+        assert num_tokens * k <= SMALL_PAIRS
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(num_tokens)]).to(torch.int32)
+        weights = torch.rand(num_tokens, k, generator=g, dtype=torch.float32)
+        shards = Placement(E, num_shards).shard_table()
+        small, arrays = _partition_small(ids, weights, shards), _partition_arrays(ids, weights, shards, None)
+        assert small.num_tokens == arrays.num_tokens == num_tokens
+        assert [s.shard for s in small.slices] == [s.shard for s in arrays.slices]
+        for a, b in zip(small.slices, arrays.slices):
+            assert a.rows.dtype == b.rows.dtype == torch.int64 and torch.equal(a.rows, b.rows)
+            assert a.pairs.dtype == b.pairs.dtype == torch.int32 and torch.equal(a.pairs, b.pairs)
+            assert a.pairs.is_contiguous()
+        assert small.expert_pairs.dtype == arrays.expert_pairs.dtype and np.array_equal(small.expert_pairs, arrays.expert_pairs)
+    # bf16 routing weights (as a bf16 model's router gives them) reach the wire as the same float32 bits
+    ids, weights = routing(6, num_tokens=3)
+    shards = Placement(E, W).shard_table()
+    for a, b in zip(partition(ids, weights.to(torch.bfloat16), shards).slices,
+                    _partition_arrays(ids, weights.to(torch.bfloat16), shards, None).slices):  # fmt: skip
+        assert torch.equal(a.pairs, b.pairs)
 
 
 def test_idle_workers_get_no_slice():
