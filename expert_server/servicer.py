@@ -7,6 +7,7 @@ and encodes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -56,7 +57,8 @@ class ExpertServicer:
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="experts", initializer=handler.enter_thread)
         # Places run one at a time in a thread of their own: loading neither waits for the compute
         # thread nor holds it up.
-        self._place = ThreadPoolExecutor(max_workers=1, thread_name_prefix="place", initializer=handler.enter_thread)
+        self._place = ThreadPoolExecutor(max_workers=1, thread_name_prefix="place",
+                                         initializer=functools.partial(handler.enter_thread, computes=False))  # fmt: skip
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         info = pb.InfoResponse()
