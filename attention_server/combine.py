@@ -18,5 +18,8 @@ def combine(plan: DispatchPlan, partials: list[torch.Tensor], hidden_size: int, 
     # the arithmetic at decode sizes. A slice's rows are unique, so `+=` on them adds each once.
     out = np.zeros((plan.num_tokens, hidden_size), dtype=np.float64)
     for part, partial in zip(plan.slices, partials):
-        out[part.rows.numpy()] += partial.numpy()
+        if part.rows.shape[0] == plan.num_tokens:  # every token (rows are ascending): no gather-scatter
+            out += partial.numpy()
+        else:
+            out[part.rows.numpy()] += partial.numpy()
     return torch.from_numpy(out).to(dtype)

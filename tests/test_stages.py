@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
+import pytest
 import torch
 
 from attention_server.combine import combine
@@ -81,13 +82,15 @@ def test_idle_workers_get_no_slice():
     assert [s.shard for s in plan.slices] == [0, 1]
 
 
-def test_combine_is_the_float64_sum_in_worker_order():
-    ids, weights = routing(1)
+@pytest.mark.parametrize("num_tokens", [T, 1])  # 1: every slice holds every token (decode's usual case)
+def test_combine_is_the_float64_sum_in_worker_order(num_tokens):
+    ids, weights = routing(1, num_tokens)
     plan = partition(ids, weights, Placement(E, W).shard_table())
     g = torch.Generator().manual_seed(2)
     partials = [torch.randn(len(s.rows), H, generator=g) * 1e3 for s in plan.slices]
+    assert len(plan.slices) > 1
 
-    expected = torch.zeros(T, H, dtype=torch.float64)
+    expected = torch.zeros(num_tokens, H, dtype=torch.float64)
     for part, partial in zip(plan.slices, partials):  # the ordered reference
         for i, t in enumerate(part.rows.tolist()):
             expected[t] += partial[i].double()
