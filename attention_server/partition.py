@@ -130,12 +130,8 @@ def _partition_arrays(topk_ids: torch.Tensor, topk_weights: torch.Tensor, shards
     pairs[2] = weights[order].view(np.int32)
     rows = tokens[new_row]  # [sum of T_s] each shard's rows, back to back
     bounds, row_bounds = [*starts.tolist(), len(order)], [*row_starts.tolist(), len(rows)]
-    slices = tuple(
-        ShardSlice(shard, torch.from_numpy(rows[row_bounds[i] : row_bounds[i + 1]]),
-                   torch.from_numpy(pairs[:, bounds[i] : bounds[i + 1]].copy()))  # fmt: skip
-        for i, shard in enumerate(owners[starts].tolist())
-    )
-    return DispatchPlan(num_tokens=num_tokens, slices=slices, expert_pairs=np.bincount(ids, minlength=len(shards)))
+    return _plan(num_tokens, owners[starts].tolist(), rows, row_bounds, pairs, bounds,
+                 np.bincount(ids, minlength=len(shards)))  # fmt: skip
 
 
 def _partition_small(topk_ids: torch.Tensor, topk_weights: torch.Tensor, shards: np.ndarray) -> DispatchPlan:
@@ -160,11 +156,16 @@ def _partition_small(topk_ids: torch.Tensor, topk_weights: torch.Tensor, shards:
         bounds.append(len(sorted_ids))
         row_bounds.append(len(rows))
     pairs = np.array([row_of_pair, sorted_ids, sorted_bits], dtype=np.int32)
-    row_array = np.array(rows, dtype=np.int64)
+    return _plan(num_tokens, owners, np.array(rows, dtype=np.int64), row_bounds, pairs, bounds,
+                 np.bincount(np.array(ids, dtype=np.int64), minlength=len(shards)))  # fmt: skip
+
+
+def _plan(num_tokens: int, owners: list[int], rows: np.ndarray, row_bounds: list[int], pairs: np.ndarray,
+          bounds: list[int], expert_pairs: np.ndarray) -> DispatchPlan:  # fmt: skip
+    """Shard owners[i]'s slice: rows[row_bounds[i]:row_bounds[i + 1]] and pairs[:, bounds[i]:bounds[i + 1]]."""
     slices = tuple(
-        ShardSlice(shard, torch.from_numpy(row_array[row_bounds[i] : row_bounds[i + 1]]),
+        ShardSlice(shard, torch.from_numpy(rows[row_bounds[i] : row_bounds[i + 1]]),
                    torch.from_numpy(pairs[:, bounds[i] : bounds[i + 1]].copy()))  # fmt: skip
         for i, shard in enumerate(owners)
     )
-    return DispatchPlan(num_tokens=num_tokens, slices=slices,
-                        expert_pairs=np.bincount(np.array(ids, dtype=np.int64), minlength=len(shards)))  # fmt: skip
+    return DispatchPlan(num_tokens=num_tokens, slices=slices, expert_pairs=expert_pairs)
