@@ -27,8 +27,10 @@ top-2 margin is within what that difference can move a margin (`TOLERANCES`, fix
 The W4A16 cases serve a compressed-tensors and a GPTQ checkpoint whose experts the workers run
 with the CPU int4 kernel, against stock vLLM on the dequantized weights.
 
-The ping-pong cases run steps of at least m requests as m micro-batches (attention_server/pingpong.py),
-on all three architectures, compiled and eager, and are held to the same float32 tolerance: a
+The float32 cases all run ping-pong (attention_server/pingpong.py), on all three architectures,
+compiled and eager: a fixed m cuts every step of at least m requests into m micro-batches, auto
+runs most steps whole and tries splits as it measures them, so the auto cases are also the exact
+check without ping-pong, on each plane. All are held to the same float32 tolerance: a
 micro-batch's rows meet the same weights in smaller GEMMs, which may round differently, nothing
 more. Each checks that its steps did run split.
 """
@@ -53,7 +55,7 @@ from cluster.launcher import wait_http_ready
 from protos.checkpoint import read_checkpoint
 from tests.support import (
     HOST, MAX_TOKENS, PROMPTS, VLLM_CPU_ARGS, ClusterCounters, Generation, assert_workers_did_the_work, free_ports, free_worker_ports,
-    generate, port_flags, python_module, scrape, token_id, total,
+    generate, openai_client, port_flags, python_module, scrape, token_id, total,
 )  # fmt: skip
 from tiny_models.w4a16 import quantize_experts
 
@@ -98,21 +100,19 @@ class Case:
         return "cpu" if self.w4a16 else "reference"
 
 
+# Each axis is covered by some case, not every combination (each case is two minutes of start-up on
+# two cores): the planes ride on the auto cases, which run most steps whole, so that float32 parity
+# without ping-pong is checked on all three architectures and all three planes.
 CASES = {
-    "qwen3_moe": Case("qwen3_moe"),
-    "qwen3_moe-fp32": Case("qwen3_moe", dtype="float32"),
-    "qwen2_moe-fp32": Case("qwen2_moe", dtype="float32"),  # shared expert on pool A
-    "qwen3_moe-fp32-tcp": Case("qwen3_moe", dtype="float32", data_plane="tcp"),
-    "qwen3_moe-fp32-grpc": Case("qwen3_moe", dtype="float32", data_plane="grpc"),
-    "mixtral-fp32": Case("mixtral", dtype="float32", vllm_args=("--enforce-eager",)),
+    "qwen3_moe": Case("qwen3_moe"),  # what `make up` serves
+    "qwen3_moe-fp32-pingpong2": Case("qwen3_moe", dtype="float32", pingpong=2),
+    "qwen2_moe-fp32-pingpong4": Case("qwen2_moe", dtype="float32", pingpong=4),  # shared expert on pool A
+    "mixtral-fp32-pingpong3": Case("mixtral", dtype="float32", vllm_args=("--enforce-eager",), pingpong=3),
+    "qwen3_moe-fp32-tcp-pingpong-auto": Case("qwen3_moe", dtype="float32", data_plane="tcp", pingpong=None),
+    "qwen2_moe-fp32-grpc-pingpong-auto": Case("qwen2_moe", dtype="float32", data_plane="grpc", pingpong=None),
+    "mixtral-fp32-pingpong-auto": Case("mixtral", dtype="float32", vllm_args=("--enforce-eager",), pingpong=None),
     "qwen3_moe-compressed-tensors": Case("qwen3_moe", w4a16="compressed-tensors"),
     "qwen3_moe-gptq": Case("qwen3_moe", w4a16="gptq", vllm_args=("--enforce-eager",)),
-    "qwen3_moe-fp32-pingpong2": Case("qwen3_moe", dtype="float32", pingpong=2),
-    "qwen2_moe-fp32-pingpong4": Case("qwen2_moe", dtype="float32", pingpong=4),
-    "mixtral-fp32-pingpong3": Case("mixtral", dtype="float32", vllm_args=("--enforce-eager",), pingpong=3),
-    "qwen3_moe-fp32-pingpong-auto": Case("qwen3_moe", dtype="float32", pingpong=None),
-    "qwen2_moe-fp32-pingpong-auto": Case("qwen2_moe", dtype="float32", pingpong=None),
-    "mixtral-fp32-pingpong-auto": Case("mixtral", dtype="float32", vllm_args=("--enforce-eager",), pingpong=None),
 }
 
 
@@ -126,6 +126,7 @@ class Cluster:
     launcher: subprocess.Popen
     metrics_urls: list[str]  # the attention server's, then worker 0..7
     run_dir: Path
+    client: OpenAI  # closed with the case
 
     def counters(self) -> ClusterCounters:
         return ClusterCounters.read(self.metrics_urls[0], self.metrics_urls[1:])
@@ -161,28 +162,40 @@ def group_pids(pgid: int) -> set[int]:
 _STOCK: dict[tuple[Path, tuple[str, ...]], list[Generation]] = {}
 
 
-def stock_generations(model: Path, vllm_args: list[str], log_path: Path, port: int) -> list[Generation]:
-    """Greedy generations of vLLM's own server (plugin off) on `model`; the server is stopped after."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")}
-    with open(log_path, "wb") as log:
-        stock = subprocess.Popen(
-            python_module("vllm.entrypoints.openai.api_server", "--model", str(model), "--host", HOST,
-                          "--port", str(port), *vllm_args),
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-        )  # fmt: skip
-    try:
-        wait_http_ready(f"http://{HOST}:{port}", [stock], timeout_s=900)
-        return generate(f"http://{HOST}:{port}")
-    finally:
-        os.killpg(stock.pid, signal.SIGTERM)
-        stock.wait(timeout=60)
+class StockServer:
+    """vLLM's own server (plugin off) on `model`, started at once; `generations()` waits for it,
+    takes its greedy generations and stops it."""
+
+    def __init__(self, model: Path, vllm_args: list[str], log_path: Path, port: int):
+        self.base_url = f"http://{HOST}:{port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")}
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                python_module("vllm.entrypoints.openai.api_server", "--model", str(model), "--host", HOST,
+                              "--port", str(port), *vllm_args),
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+            )  # fmt: skip
+
+    def generations(self) -> list[Generation]:
+        try:
+            wait_http_ready(self.base_url, [self.proc], timeout_s=900)
+            return generate(self.base_url)
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def cluster(request, model_dir, tmp_path_factory) -> Cluster:
-    """Stock vLLM's generations, then the cluster up on the same checkpoint.
+    """Stock vLLM's generations and the cluster up on the same checkpoint.
 
-    Stock vLLM runs first and is stopped before the cluster starts.
+    The two start side by side (vLLM's start-up runs on one core most of the time, the second
+    core mostly idles); stock answers once both are up, the cluster idle, and stops before the
+    cluster's tests.
     """
     name, case = request.param, CASES[request.param]
     logs = tmp_path_factory.mktemp(f"cluster-{name}")
@@ -195,9 +208,7 @@ def cluster(request, model_dir, tmp_path_factory) -> Cluster:
     vllm_args = [*VLLM_CPU_ARGS, "--dtype", case.dtype, *case.vllm_args]
 
     key = (model, tuple(vllm_args))  # the plane variants share their stock run
-    if key not in _STOCK:
-        _STOCK[key] = stock_generations(model, vllm_args, logs / "stock.log", http_stock)
-
+    stock = StockServer(model, vllm_args, logs / "stock.log", http_stock) if key not in _STOCK else None
     with open(logs / "cluster.log", "wb") as log:
         launcher = subprocess.Popen(
             python_module("cluster", "up", "--model", str(cluster_model), "--host", HOST, "--port", str(http_cluster),
@@ -209,10 +220,16 @@ def cluster(request, model_dir, tmp_path_factory) -> Cluster:
         )  # fmt: skip
     base_url = f"http://{HOST}:{http_cluster}"
     metrics_urls = [f"{base_url}/metrics"] + [f"http://{HOST}:{ports['worker_metrics_base_port'] + i}/metrics" for i in range(NUM_WORKERS)]
+    client = openai_client(base_url)
     try:
         wait_http_ready(base_url, [launcher], timeout_s=900)
-        yield Cluster(name, case, model, _STOCK[key], base_url, launcher, metrics_urls, logs / "run")
+        if stock:
+            _STOCK[key] = stock.generations()
+        yield Cluster(name, case, model, _STOCK[key], base_url, launcher, metrics_urls, logs / "run", client)
     finally:
+        client.close()
+        if stock:
+            stock.stop()
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGINT)
             launcher.wait(timeout=120)
@@ -248,7 +265,7 @@ def test_every_step_agrees_when_teacher_forced(cluster, capsys):
     """
     tolerance = TOLERANCES[cluster.case.dtype]
     tokenizer = AutoTokenizer.from_pretrained(cluster.model)
-    client = OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    client = cluster.client
     model_id = client.models.list().data[0].id
     prompts = [tokenizer(p).input_ids + s.tokens for p, s in zip(PROMPTS, cluster.stock)]
     before = cluster.counters()
@@ -283,7 +300,7 @@ def test_every_step_agrees_when_teacher_forced(cluster, capsys):
 
 
 def test_openai_client_endpoints(cluster):
-    client = OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    client = cluster.client
     (model,) = client.models.list().data
     assert model.model_extra["max_model_len"] == 1024, "vLLM flags after `--` override make up's CPU defaults"
     before = cluster.counters()
@@ -313,7 +330,7 @@ def test_requests_of_different_lengths_arriving_mid_batch(cluster, capsys):
     if cluster.case.pingpong == 1:
         pytest.skip("a ping-pong case")
     tolerance = TOLERANCES[cluster.case.dtype]
-    client = OpenAI(base_url=f"{cluster.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    client = cluster.client
     model_id = client.models.list().data[0].id
     lengths = [MAX_TOKENS - 3 * i for i in range(len(PROMPTS))]
     answers: dict[int, object] = {}
