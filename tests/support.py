@@ -42,6 +42,13 @@ def token_id(text: str) -> int:
     return int(text.removeprefix("token_id:"))
 
 
+def openai_client(base_url: str, timeout: float = 600) -> OpenAI:
+    """The `openai` client on one of our servers. Use it in a `with` block: its pooled connections
+    otherwise outlive the server, each holding a local port that the kernel took from the
+    ephemeral range, where the compose files' fixed ports lie (tests/test_containers.py)."""
+    return OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
 def generate(base_url: str, max_tokens: int = MAX_TOKENS, alone: bool = False) -> list[Generation]:
     """Greedy completions of PROMPTS through the `openai` client, with each step's top-2: in one
     batch, or with `alone` one request at a time.
@@ -49,16 +56,16 @@ def generate(base_url: str, max_tokens: int = MAX_TOKENS, alone: bool = False) -
     Only `alone` is reproducible to the bit from one server to the next: a step's numbers on CPU
     depend on which requests share its batch, and the prompts of one request reach vLLM's engine
     one by one, so the first step's batch is whatever had arrived by then."""
-    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
-    model = client.models.list().data[0].id
     batches = [[p] for p in PROMPTS] if alone else [PROMPTS]
     out = []
-    for prompts in batches:
-        response = client.completions.create(
-            model=model, prompt=prompts, max_tokens=max_tokens, temperature=0, logprobs=2,
-            extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
-        )  # fmt: skip
-        out += [_generation(c.logprobs) for c in sorted(response.choices, key=lambda c: c.index)]
+    with openai_client(base_url) as client:
+        model = client.models.list().data[0].id
+        for prompts in batches:
+            response = client.completions.create(
+                model=model, prompt=prompts, max_tokens=max_tokens, temperature=0, logprobs=2,
+                extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+            )  # fmt: skip
+            out += [_generation(c.logprobs) for c in sorted(response.choices, key=lambda c: c.index)]
     return out
 
 
@@ -295,7 +302,7 @@ def start_attention(processes: Processes, name: str, model: Path, workers: Worke
         "--host", HOST, "--port", str(http), *VLLM_CPU_ARGS, "--enforce-eager", *args))  # fmt: skip
     base_url = f"http://{HOST}:{http}"
     wait_http_ready(base_url, [attention], timeout_s=900)
-    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    client = openai_client(base_url, timeout=300)  # the server lives as long as the session
     return base_url, client, client.models.list().data[0].id
 
 

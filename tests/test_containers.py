@@ -20,9 +20,11 @@ per network namespace, when they share the host's), Prometheus must see all nine
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -32,6 +34,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 
 from cluster.__main__ import CPU_VLLM_ARGS
@@ -196,10 +199,10 @@ def model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def native(model, tmp_path_factory) -> list[Generation]:
-    """Greedy generations of the native cluster (`python -m cluster up`'s launcher) on `model` with
-    cpu.compose.yaml's flags: 8 workers, 2 replicas, one torch thread each, mutual TLS, the CPU vLLM
-    defaults."""
+def native_cluster(model, tmp_path_factory) -> Cluster:
+    """The native cluster (`python -m cluster up`'s launcher) on `model` with cpu.compose.yaml's
+    flags: 8 workers, 2 replicas, one torch thread each, mutual TLS, the CPU vLLM defaults. It
+    starts before the images are built, beside them; `native` takes its tokens and stops it."""
     ports = free_worker_ports(NUM_WORKERS)
     (http_port,) = free_ports(1)
     run_dir = tmp_path_factory.mktemp("native")
@@ -211,17 +214,25 @@ def native(model, tmp_path_factory) -> list[Generation]:
                        vllm_args=("--served-model-name", SERVED, *CPU_VLLM_ARGS))  # fmt: skip
     cluster = Cluster(spec)
     cluster.start(attention_to_terminal=False)
-    try:
-        cluster.wait_ready(UP_TIMEOUT_S)
-        return generate(spec.base_url)
-    finally:
+    yield cluster
+    if len(cluster.exited()) < len(cluster.procs):  # `native` never ran
         cluster.stop()
 
 
 @pytest.fixture(scope="module")
-def images(engine, tmp_path_factory) -> dict[str, float]:
+def native(native_cluster, images) -> list[Generation]:
+    """Greedy generations of the native cluster, which then stops."""
+    try:
+        native_cluster.wait_ready(UP_TIMEOUT_S)
+        return generate(native_cluster.spec.base_url)
+    finally:
+        native_cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def images(engine, native_cluster, tmp_path_factory) -> dict[str, float]:
     """The local base images and wheelhouse (deploy/local_images.py), then the CPU image built by
-    compose; the seconds each took."""
+    compose, while the native cluster starts; the seconds each took."""
     times = {}
     start = time.monotonic()
     subprocess.run([sys.executable, str(DEPLOY / "local_images.py")], check=True, timeout=COMMAND_TIMEOUT_S)
@@ -298,12 +309,35 @@ def _assert_same_tokens(native: list[Generation], served: list[Generation], labe
     assert not failures, f"{label}: a token differs where the native cluster is sure: {failures}"
 
 
+# What the deployments listen on in the host's network namespace or publish there, fixed by the
+# compose files, most of it inside the kernel's ephemeral range: a client socket (of this process
+# or any) that was given one of these as its local port keeps the server from binding it, and its
+# container restarts, never healthy, until `up` times out.
+FIXED_PORTS = (8000, 9090, *(base + i for base in (9401, 50051, 51051) for i in range(NUM_WORKERS)))
+
+
+def _assert_fixed_ports_free() -> None:
+    gc.collect()  # clients of earlier tests that nothing holds any more close their sockets
+    taken = []
+    for port in FIXED_PORTS:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no conflict
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                taken.append(port)
+    holders = [(c.laddr.port, c.status, c.pid) for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port in taken]
+    assert not taken, f"ports the deployment listens on are taken (port, state, pid): {sorted(set(holders))}"
+
+
 def _serve_and_check(projects: list[Project], native: list[Generation], plane: str, label: str) -> None:
     """Up in order (each healthy before the next starts), serve, scrape, down; nothing left."""
+    _assert_fixed_ports_free()
     before = EngineObjects.now()
+    for project in projects:
+        project.write_override()
     try:
         for project in projects:
-            project.write_override()
             print(f"\n{label}: {project.name} up and healthy in {project.up():.0f} s")
         _assert_same_tokens(native, generate(ATTENTION_URL), label)
         targets = _targets_up()
@@ -314,9 +348,14 @@ def _serve_and_check(projects: list[Project], native: list[Generation], plane: s
         print(f"{label}: all {NUM_WORKERS} workers reached over {plane} ('auto')")
     finally:
         start = time.monotonic()
-        for project in reversed(projects):
-            project.down()
+        failed_downs = []
+        for project in reversed(projects):  # each one down, whatever the one before did
+            try:
+                project.down()
+            except AssertionError as err:
+                failed_downs.append(str(err))
         print(f"{label}: down in {time.monotonic() - start:.0f} s")
+        assert not failed_downs, "\n".join(failed_downs)
     left = before.left_behind()
     assert left == EngineObjects(set(), set(), set()), f"{label}: left behind {left}"
 

@@ -16,14 +16,13 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from openai import OpenAI
 
 from attention_server.load.window import BUCKETS, ExpertLoad
 from cluster.launcher import wait_http_ready
 from protos.checkpoint import read_checkpoint
 from tests.support import (
-    HOST, PROMPTS, VLLM_CPU_ARGS, ClusterCounters, assert_workers_did_the_work, free_ports, free_worker_ports, port_flags,
-    python_module, scrape, token_id,
+    HOST, PROMPTS, VLLM_CPU_ARGS, ClusterCounters, assert_workers_did_the_work, free_ports, free_worker_ports, openai_client,
+    port_flags, python_module, scrape, token_id,
 )  # fmt: skip
 
 NUM_WORKERS = 8
@@ -137,11 +136,11 @@ def test_cluster_counts_what_transformers_routes(model_dir, tmp_path):
 
         tokenizer = AutoTokenizer.from_pretrained(model)
         prompts = [tokenizer(p).input_ids for p in PROMPTS]
-        client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
-        response = client.completions.create(
-            model=client.models.list().data[0].id, prompt=prompts, max_tokens=NEW_TOKENS, temperature=0, logprobs=0,
-            extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
-        )  # fmt: skip
+        with openai_client(base_url) as client:
+            response = client.completions.create(
+                model=client.models.list().data[0].id, prompt=prompts, max_tokens=NEW_TOKENS, temperature=0, logprobs=0,
+                extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+            )  # fmt: skip
         generated = {c.index: [token_id(t) for t in c.logprobs.tokens] for c in response.choices}
 
         after = get_json(base_url)

@@ -12,13 +12,12 @@ import time
 import openai
 import psutil
 import pytest
-from openai import OpenAI
 
 from cluster.launcher import ClusterSpec, free_port_run, wait_http_ready
 from protos.checkpoint import read_checkpoint
 from tests.support import (
-    HOST, VLLM_CPU_ARGS, ClusterCounters, assert_workers_did_the_work, free_ports, free_worker_ports, port_flags, python_module,
-    scrape, total,
+    HOST, VLLM_CPU_ARGS, ClusterCounters, assert_workers_did_the_work, free_ports, free_worker_ports, openai_client, port_flags,
+    python_module, scrape, total,
 )  # fmt: skip
 
 pytestmark = pytest.mark.vllm
@@ -38,9 +37,9 @@ def cluster_up(model, run_dir, *args: str) -> tuple[list[str], str, list[str]]:
 
 
 def complete(base_url: str) -> str:
-    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
-    model = client.models.list().data[0].id
-    return client.completions.create(model=model, prompt="The weather today is", max_tokens=8, temperature=0).choices[0].text
+    with openai_client(base_url, timeout=300) as client:
+        model = client.models.list().data[0].id
+        return client.completions.create(model=model, prompt="The weather today is", max_tokens=8, temperature=0).choices[0].text
 
 
 def family_of(pids) -> list[psutil.Process]:

@@ -22,7 +22,9 @@ import yaml
 from openai import OpenAI
 
 from cluster.launcher import wait_http_ready
-from tests.support import HOST, PROMPTS, VLLM_CPU_ARGS, free_ports, free_worker_ports, port_flags, python_module
+from tests.support import (
+    HOST, PROMPTS, VLLM_CPU_ARGS, free_ports, free_worker_ports, openai_client, port_flags, python_module,
+)  # fmt: skip
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [
@@ -143,7 +145,11 @@ def scrape_config(http_port: int, metrics_base: int) -> dict:
 
 def stream_load(base_url: str, clients: int, on_progress=None) -> list[str]:
     """`clients` streaming greedy completions at once; returns the failures."""
-    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    with openai_client(base_url, timeout=300) as client:
+        return _stream_load(client, clients, on_progress)
+
+
+def _stream_load(client: OpenAI, clients: int, on_progress) -> list[str]:
     model = client.models.list().data[0].id
     streamed, failures = [0], []
 

@@ -101,23 +101,26 @@ def test_plugin_on_holds_and_reads_no_routed_expert(qwen2, stock, routed_tensor_
 
 
 def test_attention_server_without_endpoints_serves_stock_vllms_tokens(qwen2, tmp_path):
-    """`python -m attention_server` with no --expert-endpoints answers exactly as vLLM's own server."""
+    """`python -m attention_server` with no --expert-endpoints answers exactly as vLLM's own server.
+    Both start side by side, then answer one request at a time each, the other idle."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")}
-    served = {}
+    servers = {}
     for name, module in (("stock", "vllm.entrypoints.openai.api_server"), ("attention_server", "attention_server")):
         (port,) = free_ports(1)
         with open(tmp_path / f"{name}.log", "wb") as log:
-            proc = subprocess.Popen(
+            servers[name] = f"http://{HOST}:{port}", subprocess.Popen(
                 python_module(module, "--model", str(qwen2), "--host", HOST, "--port", str(port), *VLLM_CPU_ARGS,
                               "--enforce-eager"),
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
             )  # fmt: skip
-        try:
-            url = f"http://{HOST}:{port}"
+    try:
+        for url, proc in servers.values():
             wait_http_ready(url, [proc], timeout_s=600)
-            served[name] = (generate(url, alone=True), scrape(f"{url}/metrics"))
-        finally:
+        served = {name: (generate(url, alone=True), scrape(f"{url}/metrics")) for name, (url, _) in servers.items()}
+    finally:
+        for _, proc in servers.values():
             os.killpg(proc.pid, signal.SIGTERM)
+        for _, proc in servers.values():
             proc.wait(timeout=60)
     (stock, stock_metrics), (ours, our_metrics) = served["stock"], served["attention_server"]
     assert [g.tokens for g in ours] == [g.tokens for g in stock]

@@ -237,31 +237,36 @@ def test_certs_are_private_and_never_overwritten(tmp_path):
     assert again.returncode == 1 and "already holds" in again.stderr
 
 
-def _cluster_tokens(model, logs, *flags: str) -> tuple[list, str]:
-    """Greedy generations of `python -m cluster up` (TCP data plane) with `flags`, and worker 0's log."""
+def _start_cluster(model, logs, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`python -m cluster up` (TCP data plane) with `flags`, and its URL."""
     (http,) = free_ports(1)
-    run_dir = logs / "run"
     with open(logs / "cluster.log", "wb") as log:
         up = subprocess.Popen(python_module(
             "cluster", "up", "--model", str(model), "--host", HOST, "--port", str(http),
             *port_flags(free_worker_ports(8)), "--data-plane", "tcp", "--pingpong-microbatches", "1",
-            "--run-dir", str(run_dir), *flags, "--", *VLLM_CPU_ARGS, "--dtype", "float32"),
+            "--run-dir", str(logs / "run"), *flags, "--", *VLLM_CPU_ARGS, "--dtype", "float32"),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    try:
-        wait_http_ready(f"http://{HOST}:{http}", [up], timeout_s=900)
-        return generate(f"http://{HOST}:{http}", alone=True), (run_dir / "worker-0.log").read_text()
-    finally:
-        up.send_signal(signal.SIGINT)
-        up.wait(timeout=120)
+    return up, f"http://{HOST}:{http}"
 
 
 @pytest.mark.vllm
 def test_a_cluster_with_tls_serves_the_same_tokens_as_without(model_dir, tmp_path):
+    """Both start side by side, then answer one request at a time each, the other idle."""
     model = model_dir("qwen3_moe")
-    (tmp_path / "tls").mkdir()
-    (tmp_path / "plain").mkdir()
-    with_tls, tls_log = _cluster_tokens(model, tmp_path / "tls")  # TLS is `up`'s default
-    without, plain_log = _cluster_tokens(model, tmp_path / "plain", "--plaintext")
+    flags = {"tls": (), "plain": ("--plaintext",)}  # TLS is `up`'s default
+    for name in flags:
+        (tmp_path / name).mkdir()
+    clusters = {name: _start_cluster(model, tmp_path / name, *f) for name, f in flags.items()}
+    try:
+        for up, url in clusters.values():
+            wait_http_ready(url, [up], timeout_s=900)
+        with_tls, without = (generate(url, alone=True) for _, url in clusters.values())
+    finally:
+        for up, _ in clusters.values():
+            up.send_signal(signal.SIGINT)
+        for up, _ in clusters.values():
+            up.wait(timeout=120)
+    tls_log, plain_log = ((tmp_path / name / "run" / "worker-0.log").read_text() for name in flags)
     assert "mutual TLS and token from" in tls_log and "PLAINTEXT" in plain_log
     assert [g.tokens for g in with_tls] == [g.tokens for g in without]
     assert [g.margins for g in with_tls] == [g.margins for g in without], "the same numbers, bit for bit"
