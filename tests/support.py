@@ -302,7 +302,7 @@ def start_attention(processes: Processes, name: str, model: Path, workers: Worke
         "--host", HOST, "--port", str(http), *VLLM_CPU_ARGS, "--enforce-eager", *args))  # fmt: skip
     base_url = f"http://{HOST}:{http}"
     wait_http_ready(base_url, [attention], timeout_s=900)
-    client = openai_client(base_url, timeout=300)  # the server lives as long as the session
+    client = openai_client(base_url, timeout=300)  # open as long as the server: until its module ends
     return base_url, client, client.models.list().data[0].id
 
 
