@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +31,7 @@ import tiny_models
 from attention_server.config import DEFAULT_EXPERT_LOAD_WINDOW_S, AttentionConfig, share_metrics_across_processes
 from cluster.launcher import Cluster, ClusterSpec, free_worker_ports
 from protos.checkpoint import read_checkpoint
+from benchmarks import machine
 
 logger = logging.getLogger("bench_load")
 
@@ -152,7 +151,7 @@ def main() -> None:
               f"per bucket)")  # fmt: skip
     print(f"accounting alone / decode step (tiny, off p50): {alone_share:.3%}")
     result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, loopback",
+        "machine": machine.describe(),
         "date": time.strftime("%Y-%m-%d"),
         "model": f"embedded tiny qwen3_moe: {len(ckpt.moe_layers)} MoE layers, hidden {ckpt.hidden_size}, "
                  f"top-{ckpt.top_k} of {ckpt.num_experts}",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import tiny_models
 from cluster.certs import reuse_or_make
 from cluster.launcher import ClusterSpec, stop_pids, wait_http_ready
 from protos.checkpoint import read_checkpoint
+from benchmarks import machine
 
 HOST = "127.0.0.1"
 VLLM_ARGS = ("--dtype", "bfloat16", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 30), "--enforce-eager")
@@ -100,7 +100,7 @@ def main() -> None:
         "saved_rss_mib": stock["rss_mib"] - attention["rss_mib"],
         "workers_rss_mib_each": [w["rss_mib"] for w in worker_mem],
         "vllm_args": list(VLLM_ARGS),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only",
+        "machine": machine.describe(False),
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2))

@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import signal
 import sys
 import time
@@ -47,6 +45,7 @@ from benchmarks.bench_pingpong import (
     DECODE_TOKENS, VLLM_ARGS, Cluster, Server, measure_interleaved, pingpong_flags, prompt_tokens,
 )  # fmt: skip
 from protos.checkpoint import read_checkpoint
+from benchmarks import machine
 
 logger = logging.getLogger("bench_placement")
 WARM_ROUNDS = 20  # warm-up batches at most, before a placement must have been taken
@@ -171,7 +170,7 @@ def main() -> None:
     report = "\n".join(lines)
     print(report)
     result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, loopback",
+        "machine": machine.describe(),
         "date": time.strftime("%Y-%m-%d"),
         "model": "tiny qwen3_moe, preset skewed",
         "batch": a.batch,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import signal
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ from openai import OpenAI
 
 import tiny_models
 from cluster.launcher import free_port_run, free_ports, stop_pids, wait_http_ready
+from benchmarks import machine
 
 HOST = "127.0.0.1"
 WORKERS = 8
@@ -136,7 +136,7 @@ def main() -> None:
 
     summary = {key: {"r1": median_of(1, key), "r2": median_of(2, key), "r2_over_r1": median_of(2, key) / median_of(1, key)}
                for key in ("itl_p50_ms", "batch16_step_ms")}  # fmt: skip
-    result = {"machine": f"{platform.machine()}, {psutil.cpu_count()} cores, CPU only, loopback",
+    result = {"machine": machine.describe(),
               "date": time.strftime("%Y-%m-%d"), "vllm_args": VLLM_ARGS, "rows": rows, "summary": summary,
               "failover": fail}  # fmt: skip
     a.out.write_text(json.dumps(result, indent=2) + "\n")

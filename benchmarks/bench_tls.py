@@ -19,7 +19,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from cluster.launcher import ClusterSpec, free_ports, free_worker_ports, stop_pi
 from protos.checkpoint import read_checkpoint
 from protos.placement import Placement
 from protos.security import Security
+from benchmarks import machine
 
 logger = logging.getLogger("bench_tls")
 
@@ -173,7 +173,7 @@ def main() -> None:
         print(f"end to end (tcp): ITL {e2e['tls']['itl_ms']:.2f} ms with TLS, {e2e['plaintext']['itl_ms']:.2f} ms "
               f"without ({e2e['tls_over_plaintext_itl']:.2f}x)")  # fmt: skip
     result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, loopback",
+        "machine": machine.describe(),
         "date": time.strftime("%Y-%m-%d"),
         "model": f"embedded tiny qwen3_moe: {len(ckpt.moe_layers)} MoE layers, hidden {ckpt.hidden_size}, "
                  f"top-{ckpt.top_k} of {ckpt.num_experts}",

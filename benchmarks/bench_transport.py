@@ -37,7 +37,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import random
 import socket
 import statistics
@@ -65,6 +64,7 @@ from protos.checkpoint import read_checkpoint
 from protos.placement import Placement
 from protos.frames import recv_into_exactly, send_parts
 from protos.security import Security
+from benchmarks import machine
 
 logger = logging.getLogger("bench_transport")
 
@@ -524,7 +524,7 @@ def main() -> None:
     report = table(rows, e2e)
     print(report)
     result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, loopback",
+        "machine": machine.describe(),
         "date": time.strftime("%Y-%m-%d"),
         "row_width": WIDTH,
         "security": Security.load(spec.tls_dir, "attention").describe(),

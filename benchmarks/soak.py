@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import signal
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from openai import OpenAI
 import tiny_models
 from tiny_models import PROMPTS
 from cluster.launcher import free_ports, free_port_run, stop_pids, wait_http_ready
+from benchmarks import machine
 
 logger = logging.getLogger("soak")
 
@@ -222,7 +222,7 @@ def main() -> None:
 
     windows = Counter(int((t - start) // WINDOW_S) for t in soak.tokens_at)
     result = {
-        "machine": f"{platform.machine()}, {psutil.cpu_count()} cores, CPU only, loopback",
+        "machine": machine.describe(),
         "date": time.strftime("%Y-%m-%d"),
         "minutes": a.minutes, "clients": a.clients, "kill_every_s": a.kill_every,
         "model": "embedded tiny qwen3_moe, float32, make up defaults (8 workers, 2 replicas)",
