@@ -1,6 +1,7 @@
 """make bench-pingpong: decode step time and throughput with m = 1, 2, 3, 4 and auto micro-batches in ping-pong.
 
     python -m benchmarks.bench_pingpong [--out FILE] [--batch 128] [--workers 8] [--microbatches 1,2,3,4,auto]
+                                        [--cpus split|shared]
 
 The cluster on the embedded tiny model (4 MoE layers, compiled), loopback only; a batch of B
 requests with a long prompt (so that attention is a real part of the attention node's time)
@@ -16,6 +17,11 @@ remote time this machine adds by itself (own: transport and the workers' CPU). T
   route alike: the workers of a layer's top-k experts each get every row of the micro-batch;
 - transport-heavy: that, plus a fixed delay per Forward of twice a (a slow link), where more
   micro-batches keep paying off.
+
+vLLM's model worker (pool A's device) and the expert workers (pool B's) run on separate CPUs of
+this machine (--cpus split), as they would on separate machines: sharing cores, the workers' CPU
+work during the overlap takes the attention node's time, which ping-pong exists to keep busy.
+--cpus shared leaves the placement to vLLM and Linux, for comparison.
 
 Per regime one attention server per m (1, 2, 3, 4 and auto) starts, all at once, on the same
 workers; they are measured in rounds that alternate between them, the order rotating from round
@@ -39,7 +45,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -53,10 +58,25 @@ from cluster.certs import reuse_or_make
 from cluster.launcher import ClusterSpec, free_ports, free_worker_ports, stop_pids, wait_http_ready
 from expert_server.config import BENCHMARK_ENV
 from protos.checkpoint import read_checkpoint
+from benchmarks import machine
 
 logger = logging.getLogger("bench_pingpong")
 
 HOST = "127.0.0.1"
+# Pool A's device and pool B's are different machines: the workers' CPU work must not take the
+# attention node's CPU, or ping-pong's overlap (workers computing while attention runs) only
+# moves work onto the same core. With --cpus split (the default) vLLM's model worker runs on the
+# first half of this machine's CPUs, the workers on the rest (vLLM's engine, its API server and
+# this client float); --cpus shared leaves the placement to vLLM (its model worker) and Linux.
+_CPUS = sorted(os.sched_getaffinity(0))
+POOL_A_CPUS = _CPUS[: max(1, len(_CPUS) // 2)]
+POOL_B_CPUS = _CPUS[max(1, len(_CPUS) // 2) :] or _CPUS
+
+
+def cpu_layout(split: bool) -> dict:
+    if split:
+        return {"layout": "split", "vllm_model_worker": POOL_A_CPUS, "expert_workers": POOL_B_CPUS}
+    return {"layout": "shared", "vllm_model_worker": "vLLM's choice", "expert_workers": _CPUS}
 VLLM_ARGS = ("--dtype", "bfloat16", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 30))
 DECODE_TOKENS = 48
 # A long context, so that attention is a real part of the attention node's time per layer.
@@ -229,8 +249,8 @@ def measure_interleaved(servers: list[Server]) -> list[Point]:
 class Cluster:
     """Eight workers (restarted per regime, with its delays) and one attention server at a time."""
 
-    def __init__(self, model: Path, logs: Path, workers: int):
-        self.model, self.logs = model, logs
+    def __init__(self, model: Path, logs: Path, workers: int, split_cpus: bool = False):
+        self.model, self.logs, self.split_cpus = model, logs, split_cpus
         self.spec = ClusterSpec(model=model, num_workers=workers, http_port=0, host=HOST, run_dir=logs, worker_threads=1,
                                 **free_worker_ports(workers), tls_dir=reuse_or_make(logs / "tls"))  # fmt: skip
         self.procs: dict[str, subprocess.Popen] = {}
@@ -242,7 +262,13 @@ class Cluster:
         for i in range(self.spec.num_workers):
             with (self.logs / f"worker-{i}.log").open("wb") as f:
                 self.procs[f"worker-{i}"] = subprocess.Popen(self.spec.worker_command(i) + extra, stdout=f,
-                                                             stderr=subprocess.STDOUT, start_new_session=True, env=env)  # fmt: skip
+                                                             stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                                             preexec_fn=self._worker_cpus)  # fmt: skip
+
+    def _worker_cpus(self) -> None:
+        """In the worker's process before it starts."""
+        if self.split_cpus:
+            os.sched_setaffinity(0, POOL_B_CPUS)
 
     def start_attention(self, servers: dict[str, list[str]]) -> dict[str, str]:
         """One attention server per entry, {name: its flags beyond the cluster's}, all started at
@@ -251,6 +277,8 @@ class Cluster:
         self.stop("attention")
         urls, procs = {}, {}
         env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")}
+        if self.split_cpus:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, POOL_A_CPUS))  # vLLM binds its model worker there
         for (name, flags), port in zip(servers.items(), free_ports(len(servers))):
             cmd = [sys.executable, "-m", "attention_server", "--model", str(self.model), "--expert-endpoints",
                    ",".join(self.spec.endpoints), *self.spec.security_args(), "--host", HOST, "--port", str(port),
@@ -297,6 +325,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=128, help="requests decoding together (enough for attention to be a real part of a step)")
     p.add_argument("--microbatches", default="1,2,3,4,auto")
     p.add_argument("--workers", type=int, default=8, help="expert workers (each costs this machine CPU per request)")
+    p.add_argument("--cpus", choices=("split", "shared"), default="split",
+                   help="split: vLLM's model worker and the expert workers on separate CPUs, as on separate machines")  # fmt: skip
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ms = [None if x == "auto" else int(x) for x in a.microbatches.split(",")]
@@ -307,7 +337,7 @@ def main() -> None:
     model = tiny_models.make("qwen3_moe", tiny_models.default_model_dir())
     ckpt = read_checkpoint(model)
     layers = len(ckpt.moe_layers)
-    cluster = Cluster(model, logs, a.workers)
+    cluster = Cluster(model, logs, a.workers, split_cpus=a.cpus == "split")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     points: list[Point] = []
     regimes: dict[str, dict] = {}
@@ -362,10 +392,13 @@ def main() -> None:
     lines.append(f"batch {a.batch} requests, prompt {context} tokens, {DECODE_TOKENS} tokens decoded each; "
                  f"{layers} MoE layers, {a.workers} workers; without delays the attention node is busy {attention_ms:.2f} ms and waits "
                  f"{own_remote_ms:.2f} ms for the workers per MoE layer")
+    cpus = cpu_layout(a.cpus == "split")
+    lines.append(f"CPUs {cpus['layout']}: vLLM's model worker on {cpus['vllm_model_worker']}, the expert workers on "
+                 f"{cpus['expert_workers']}; {machine.describe()}")  # fmt: skip
     report = "\n".join(lines)
     print(report)
     result = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only, loopback",
+        "machine": machine.describe(),
         "date": time.strftime("%Y-%m-%d"),
         "batch": a.batch,
         "workers": a.workers,
@@ -377,6 +410,7 @@ def main() -> None:
         "regimes": regimes,
         "points": [asdict(pt) for pt in points],
         "vllm_args": list(VLLM_ARGS),
+        "cpus": cpus,
     }
     a.out.write_text(json.dumps(result, indent=2))
     plot(points, a.out.with_suffix(".png"))
