@@ -71,12 +71,6 @@ HOST = "127.0.0.1"
 _CPUS = sorted(os.sched_getaffinity(0))
 POOL_A_CPUS = _CPUS[: max(1, len(_CPUS) // 2)]
 POOL_B_CPUS = _CPUS[max(1, len(_CPUS) // 2) :] or _CPUS
-
-
-def cpu_layout(split: bool) -> dict:
-    if split:
-        return {"layout": "split", "vllm_model_worker": POOL_A_CPUS, "expert_workers": POOL_B_CPUS}
-    return {"layout": "shared", "vllm_model_worker": "vLLM's choice", "expert_workers": _CPUS}
 VLLM_ARGS = ("--dtype", "bfloat16", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 30))
 DECODE_TOKENS = 48
 # A long context, so that attention is a real part of the attention node's time per layer.
@@ -265,6 +259,13 @@ class Cluster:
                                                              stderr=subprocess.STDOUT, start_new_session=True, env=env,
                                                              preexec_fn=self._worker_cpus)  # fmt: skip
 
+    @property
+    def cpus(self) -> dict:
+        """Where the two pools run, for the report."""
+        if self.split_cpus:
+            return {"layout": "split", "vllm_model_worker": POOL_A_CPUS, "expert_workers": POOL_B_CPUS}
+        return {"layout": "shared", "vllm_model_worker": "vLLM's choice", "expert_workers": _CPUS}
+
     def _worker_cpus(self) -> None:
         """In the worker's process before it starts."""
         if self.split_cpus:
@@ -392,7 +393,7 @@ def main() -> None:
     lines.append(f"batch {a.batch} requests, prompt {context} tokens, {DECODE_TOKENS} tokens decoded each; "
                  f"{layers} MoE layers, {a.workers} workers; without delays the attention node is busy {attention_ms:.2f} ms and waits "
                  f"{own_remote_ms:.2f} ms for the workers per MoE layer")
-    cpus = cpu_layout(a.cpus == "split")
+    cpus = cluster.cpus
     lines.append(f"CPUs {cpus['layout']}: vLLM's model worker on {cpus['vllm_model_worker']}, the expert workers on "
                  f"{cpus['expert_workers']}; {machine.describe()}")  # fmt: skip
     report = "\n".join(lines)
