@@ -82,14 +82,11 @@ DEFAULT_E2E_PLANES = ("shm",)
 DECODE_TOKENS = 64
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        proc = psutil.Process(pid)
-        for p in [proc, *proc.children(recursive=True)]:
-            t = p.cpu_times()
-            total += t.user + t.system
-    return total
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    """User and system CPU of the server processes (none has children). Read between every two
+    blocks of round trips: psutil's children() there scanned every process on the machine, 22 ms
+    a call, about a minute of each run."""
+    return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
 
 
 # ---- round-trip clients, one per path: round_trip(payload, peers) sends to each peer, then collects ----
@@ -202,6 +199,7 @@ def measure_interleaved(clients: dict, data: dict, fanout: int, servers: dict) -
 def round_trips(endpoints: list[str], worker_pids: list[int], echo_ports: list[int], echo_pids: list[int],
                 security: Security) -> list[dict]:  # fmt: skip
     infos = [fetch_info(w, e, 120, security) for w, e in enumerate(endpoints)]
+    worker_procs, echo_procs = [psutil.Process(p) for p in worker_pids], [psutil.Process(p) for p in echo_pids]
     rows = []
     for size in SIZES:
         tensor = torch.randn(size // (2 * WIDTH), WIDTH).to(torch.bfloat16)
@@ -209,7 +207,7 @@ def round_trips(endpoints: list[str], worker_pids: list[int], echo_ports: list[i
         clients = {"tcp floor": Floor(echo_ports), **{p: Plane(p, endpoints, infos, security) for p in PATHS[1:4]},
                    PATHS[4]: UnaryProtobuf(endpoints, security)}  # fmt: skip
         data = {p: tensor if p == PATHS[4] else payload for p in PATHS}
-        servers = {p: echo_pids if p == "tcp floor" else worker_pids for p in PATHS}
+        servers = {p: echo_procs if p == "tcp floor" else worker_procs for p in PATHS}
         try:
             for fanout in FANOUTS:
                 for path, row in measure_interleaved(clients, data, fanout, servers).items():
