@@ -155,6 +155,44 @@ def test_auto_settles_on_the_m_the_model_predicts(cluster):
     assert spent <= 1.05 * len(chosen) * cluster.step(best)[0], (best, chosen)
 
 
+@pytest.mark.parametrize(
+    "small",
+    [
+        LayerModel(b=0.5, o=0.3, r=1.25, c=0.5),  # m = 3, where the neighbour runs
+        LayerModel(b=0.5, o=0.3, r=1.6, c=0.5),  # m = 3, its steps wait for the experts
+        LayerModel(b=0.5, o=0.3, r=3.0, c=0.5),  # m = 4: more remote work than the neighbour's
+        LayerModel(b=0.5, o=0.3, r=0.6, c=0.5),  # m = 2: little remote work at this size
+    ],
+    ids=["m3", "m3-waiting", "m4", "m2"],
+)
+def test_a_new_batch_size_starts_where_its_neighbour_runs(small):
+    """Half the rows of a transport-heavy batch (same node and transport: same o and c): auto
+    starts at the neighbour's m and is near the best from the first steps, with no steps whole
+    and at m = 2 to learn what the neighbour's steps already told it."""
+    from attention_server.pingpong_auto import MIN_GAIN, MIN_SAMPLES, AutoMicroBatches
+
+    auto, large = AutoMicroBatches(4), LayerModel(b=1.0, o=0.3, r=2.0, c=0.5)
+    assert _drive(auto, large, 60)[-10:] == [3] * 10
+    chosen = _drive(auto, small, 60, num_reqs=8)
+    assert chosen[:MIN_SAMPLES] == [3] * MIN_SAMPLES, chosen
+    best = small.step(small.best())[0]
+    as_fast = {m for m in range(1, 5) if small.step(m)[0] <= (1 + MIN_GAIN) * best}
+    assert sum(m in as_fast for m in chosen) >= 0.9 * len(chosen), (small.best(), chosen)  # with re-measurements
+    # the first 12 steps: three of the neighbour's m, at most three of a smaller m, then the best
+    assert sum(small.step(m)[0] for m in chosen[:12]) <= 1.2 * 12 * best, (small.best(), chosen)
+
+
+def test_a_new_batch_size_unlike_its_neighbour_still_finds_its_m():
+    """A batch size whose split overhead differs from the pooled one (the model's premise fails):
+    the seeded start costs a few steps, and auto still settles on the best m."""
+    from attention_server.pingpong_auto import AutoMicroBatches
+
+    auto, large = AutoMicroBatches(4), LayerModel(b=1.0, o=0.3, r=2.0, c=0.5)
+    _drive(auto, large, 60)
+    small = LayerModel(b=0.5, o=1.5, r=0.75, c=0.5)  # m = 1
+    assert _drive(auto, small, 40, num_reqs=8)[-20:] == [1] * 20
+
+
 def test_one_slow_step_does_not_move_auto():
     from attention_server.pingpong_auto import AutoMicroBatches
 
