@@ -19,19 +19,18 @@ model's t(m) stands in for those that have not.
 Every figure is the median of its last WINDOW values, per batch size (a power-of-two bucket of
 the step's tokens): one slow step (a pause, the first decode after a prefill) moves nothing. An m
 is measured over MIN_SAMPLES steps in a row before it is judged. The first batch size runs whole
-first, then at m = 2, then at whatever the figures favour. o and c belong to the node and the
-transport more than to a batch size, so they are also pooled over all batch sizes, and since
-served requests come and go, keeping the batch size on the move, a batch size seen later does not
-start over: it runs the m its nearest measured neighbour runs, and a step of it that waited for
-its experts gives its b = node - (m - 1)·o and r = m·layer - node - (m - 1)·c from the pooled o
-and c (one that did not wait tells neither: its experts' time was hidden, so a smaller m runs next,
-down to m = 1). The pooled o and
-c stand in for a batch size's own until it has them. A measurement not renewed within
-EXPIRE_STEPS steps of its bucket is dropped, so that a changed load is measured again. Meanwhile
-the m that runs is measured on every step and the others not at all, so a few slow steps of an m
-(a busy moment of the host) would keep it off for those EXPIRE_STEPS: every REPROBE_STEPS steps of
-a bucket, the m not run for that long whose last figure came closest to the best's (within
-REPROBE_MARGIN) is measured afresh. A batch of fewer than 2 requests runs whole.
+first, then at m = 2, then at whatever the figures favour. Served requests come and go, so the
+batch size keeps moving, and o and c belong to the node and the transport more than to a batch
+size: a batch size seen later starts at the m its nearest neighbour with an o runs, and takes that
+neighbour's o and c until it has its own. A step of it that waited for its experts gives its b =
+node - (m - 1)·o and r = m·layer - node - (m - 1)·c; one that did not wait tells neither (its
+experts' time was hidden), and a smaller m runs next, down to m = 1. A batch size that has not yet
+run split measures the split the model favours once, whatever the borrowed figures predict for
+m = 1. A measurement not renewed within EXPIRE_STEPS steps of its bucket is dropped, so that a
+changed load is measured again. Meanwhile the m that runs is measured on every step and the others
+not at all, so a few slow steps of an m (a busy moment of the host) would keep it off for those
+EXPIRE_STEPS: every REPROBE_STEPS steps of a bucket, the m not run for that long whose last figure
+came closest to the best's (within REPROBE_MARGIN) is measured afresh. A batch of fewer than 2 requests runs whole.
 """
 from __future__ import annotations
 
@@ -102,24 +101,23 @@ class AutoMicroBatches:
     def __init__(self, max_microbatches: int):
         self.max_microbatches = max_microbatches
         self.buckets: dict[int, LayerTimes] = {}
-        self.overhead, self.fixed = Recent(), Recent()  # o and c of every bucket, pooled
-        self.steps = 0
 
     def _times(self, num_tokens: int) -> LayerTimes:
         return self.buckets.setdefault(num_tokens.bit_length(), LayerTimes())
 
-    def _model(self, times: LayerTimes) -> tuple[float | None, float]:
-        """(o, c) for a bucket: its own, else the pooled ones; o None while none is known, c 0.0
-        (the most a split can gain)."""
-        overhead = times.overhead if len(times.overhead) else self.overhead
-        fixed = times.fixed if len(times.fixed) else self.fixed
-        return (overhead.median if len(overhead) else None), (fixed.median if len(fixed) else 0.0)
+    def _neighbour(self, times: LayerTimes, has) -> LayerTimes | None:
+        """The bucket nearest to `times` (the smaller on a tie), other than it, for which has(bucket)."""
+        key = next(k for k, t in self.buckets.items() if t is times)
+        known = [k for k, t in self.buckets.items() if t is not times and has(t)]
+        return self.buckets[min(known, key=lambda k: (abs(k - key), k))] if known else None
 
-    def _neighbour_m(self, num_tokens: int) -> int:
-        """The m the nearest batch size with figures of its own runs; 1 when there is none."""
-        key = num_tokens.bit_length()
-        known = [k for k, t in self.buckets.items() if len(t.node)]
-        return self.buckets[min(known, key=lambda k: (abs(k - key), k))].last if known else 1
+    def _model(self, times: LayerTimes) -> tuple[float | None, float]:
+        """(o, c) for a bucket: its own, else its nearest neighbour's; o None while neither has one,
+        c 0.0 while unknown (the most a split can gain)."""
+        source = times if len(times.overhead) else self._neighbour(times, lambda t: len(t.overhead))
+        if source is None:
+            return None, 0.0
+        return source.overhead.median, (source.fixed.median if len(source.fixed) else 0.0)
 
     def choose(self, num_tokens: int, num_reqs: int) -> int:
         limit = min(self.max_microbatches, num_reqs)
@@ -129,11 +127,12 @@ class AutoMicroBatches:
         if times.last <= limit and 0 < times.samples(times.last) < MIN_SAMPLES:
             return times.last  # measuring it
         if not len(times.node):  # no b and r for this batch size yet
-            if not len(self.overhead):
+            neighbour = self._neighbour(times, lambda t: len(t.overhead))
+            if neighbour is None:
                 return 1
             # an m whose steps did not wait hid its experts' time: the next try is a smaller m
             tried = [m for m in range(2, limit + 1) if times.samples(m)]
-            return max(1, min(self._neighbour_m(num_tokens), limit, min(tried, default=limit + 1) - 1))
+            return max(1, min(neighbour.last, limit, min(tried, default=limit + 1) - 1))
         if times.samples(1) == 0 and times.steps - times.node.seen >= EXPIRE_STEPS:
             return 1  # b and r have expired with m = 1's figure: measured afresh
         o, c = self._model(times)
@@ -141,6 +140,8 @@ class AutoMicroBatches:
             return 2
         estimate = {m: times.measured[m].median if times.samples(m) else times.predict(m, o, c)
                     for m in range(1, limit + 1)}  # fmt: skip
+        if not len(times.overhead):  # never split at this size: a neighbour's o and c only propose
+            return min(range(2, limit + 1), key=estimate.get)
         best = 1
         for m in range(2, limit + 1):
             if estimate[m] < estimate[best] * (1 - MIN_GAIN):
@@ -161,7 +162,6 @@ class AutoMicroBatches:
             return
         times = self._times(num_tokens)
         times.steps += 1
-        self.steps += 1
         if not times.samples(m):
             times.measured[m] = Recent()  # expired: measured afresh
         layer, wait = forward_s / moe_layers, wait_s / moe_layers
@@ -175,16 +175,12 @@ class AutoMicroBatches:
         # the micro-batches waited, so the layer is their cycle: layer = node/m + c + (r - c)/m
         waited = wait >= WAIT_BOUND * layer
         if not len(times.node):
-            if waited and len(self.overhead):  # a seeded batch size: its b and r from the pooled o and c
-                o, c = self._model(times)
+            o, c = self._model(times)
+            if waited and o is not None:  # started at a neighbour's m: b and r from its o and c
                 times.node.add(max(0.0, node - (m - 1) * o), times.steps)
                 times.round_trip.add(max(c, m * layer - node - (m - 1) * c), times.steps)
             return
         b, r = times.node.median, times.round_trip.median
-        o = max(0.0, (node - b) / (m - 1))
-        times.overhead.add(o, times.steps)
-        self.overhead.add(o, self.steps)
+        times.overhead.add(max(0.0, (node - b) / (m - 1)), times.steps)
         if waited:
-            c = min(max((layer - node / m - r / m) / (1 - 1 / m), 0.0), r)
-            times.fixed.add(c, times.steps)
-            self.fixed.add(c, self.steps)
+            times.fixed.add(min(max((layer - node / m - r / m) / (1 - 1 / m), 0.0), r), times.steps)

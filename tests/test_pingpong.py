@@ -193,6 +193,24 @@ def test_a_new_batch_size_unlike_its_neighbour_still_finds_its_m():
     assert _drive(auto, small, 40, num_reqs=8)[-20:] == [1] * 20
 
 
+def test_a_neighbour_where_splitting_does_not_pay_does_not_keep_a_batch_size_whole():
+    """Prefill steps (many tokens, a split costs more than it hides) come first; the decode batch
+    size after them starts whole, like its neighbour, measures a split once instead of trusting
+    the neighbour's figures for m = 1, and settles on its own best m (in the 2026-12-04 bench run,
+    before this, auto ran 233 of 234 decode steps whole where m = 3 was 1.5x faster)."""
+    from attention_server.pingpong_auto import MIN_GAIN, AutoMicroBatches
+
+    auto, prefill = AutoMicroBatches(4), LayerModel(b=10.0, o=8.0, r=2.0, c=1.0)  # m = 1
+    for _ in range(30):
+        m = auto.choose(4096, 16)
+        auto.observe(m, 4096, 4, *prefill.step(m))
+    decode = LayerModel(b=1.0, o=0.1, r=1.0, c=0.1)  # m = 2
+    chosen = _drive(auto, decode, 60, num_reqs=128)
+    best = decode.step(decode.best())[0]
+    as_fast = {m for m in range(1, 5) if decode.step(m)[0] <= (1 + MIN_GAIN) * best}
+    assert sum(m in as_fast for m in chosen[12:]) >= 0.9 * len(chosen[12:]), (decode.best(), chosen)
+
+
 def test_one_slow_step_does_not_move_auto():
     from attention_server.pingpong_auto import AutoMicroBatches
 
