@@ -24,14 +24,14 @@ The combine finds a row's pairs through rbounds [T+1] (row t: positions [rbounds
 of the (row, pair) order): from the ranking's row counts, from the first pass's counts when
 one pass sorts the rows, else a binary search (row_bounds_kernel).
 GEMMs: each expert's pairs split into BLOCK_M-row blocks; one program owns (row block, BLOCK_N
-output columns), so a dequantized weight tile serves BLOCK_M rows (16-32 for decode, 64-128 for
-prefill), or, EXPERT_GRID (main's decode grid, no row-block lookup), (expert, BLOCK_N columns)
-and walks the expert's row blocks; SWAP_AB computes the transpose, the weights being the MMA's
-left operand. down writes each pair's router-weighted row to its own row of a [P, H] fp32 buffer
-(SPLIT_K > 1: one such slice per run of k-blocks, each run its own programs); combine_kernel (one
-program per row and column block) sums a row's pairs in (slice, pair) order. No float atomics: the
-output is bitwise the same run to run. gate_up also zeroes a slice of `out` (rows
-without pairs stay zero).
+output columns), so a dequantized weight tile serves BLOCK_M rows (8-32 for decode, 64-128 for
+prefill; 8 only with SWAP_AB, x then being the 8-wide operand of an m16n8k16 MMA), or, EXPERT_GRID
+(main's decode grid, no row-block lookup), (expert, BLOCK_N columns) and walks the expert's row
+blocks; SWAP_AB computes the transpose, the weights being the MMA's left operand. down writes each
+pair's router-weighted row to its own row of a [P, H] fp32 buffer (SPLIT_K > 1: one such slice per
+run of k-blocks, each run its own programs); combine_kernel (one program per row and column block)
+sums a row's pairs in (slice, pair) order. No float atomics: the output is bitwise the same run to
+run. gate_up also zeroes a slice of `out` (rows without pairs stay zero).
 Dependent launches (USE_GDC: CUDA, sm_90+, launched with launch_pdl): gate_up, down and the combine may
 start while the launch before them still runs (each signals its dependents when it starts), so their
 programs are resident and set up when the previous launch ends. They wait for it (gdc_wait) before

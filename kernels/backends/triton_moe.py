@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,7 +29,13 @@ GROUP_SIZES = (32, 64, 128, 256)
 BLOCK_KS = (64, 128)
 COMBINE_BLOCK_R, COMBINE_BLOCK_N = 8, 256  # pairs a combine program adds per step (top-8: one), columns it owns
 ROW_BOUNDS_BLOCK = 1024  # rows a row_bounds_kernel program searches for
-RADIX_BITS = 8  # at most 2^8 digits per routing pass over rows
+RADIX_BITS = 8  # at most 2^8 digits per routing pass over rows, but for the first pass below
+# Rows of up to this many bits the first counting pass sorts whole (up to 2^10 digits): no further pass by row and no
+# row_bounds search. H200, 2026-12-04, graph us, best of three interleaved rounds: Qwen3 at M = 64 (1024 rows, 8 + 2
+# bits before) routing 34.9 -> 25.1-25.6, layer 281.2-282.2 -> 267.7-271.3; Mixtral at M = 128 / 256 (512 / 1024 rows)
+# 671-695 -> 678-691 and 1369-1370 -> 1357-1375, within its spread. 11 bits (Qwen3 M = 128, 2048 rows) took the
+# routing from 36.4 to 85.4 (its counts and cumsums grow with the digits), so wider rows keep 8-bit passes.
+WHOLE_ROW_BITS = 10
 FEW_EXPERTS = 16  # for_load: up to here a layer's experts are few and large (Mixtral), above many and small (Qwen3)
 ROUTE_COMPARE_BLOCK = 32  # pairs a counting program compares its own with per step
 # Up to (E + T) * P this many, one ranking launch routes (scan_route_kernel); above, the counting passes. It
@@ -51,13 +57,15 @@ class TritonConfig:
 
     tile_n_gate_up, tile_n_down and block_k are the stored weight tiles (TritonExperts packs for
     them); a program owns block_m sorted positions of one expert x block_n_* output columns, a
-    multiple of the tile. swap_ab computes w @ x^T (the dequantized weights as the left operand);
+    multiple of the tile. swap_ab computes w @ x^T (the dequantized weights as the left operand); then
+    block_m may be 8, x being the MMA's 8-wide operand (mma.sync m16n8k16: half the tensor work of 16 rows);
     scale_weights applies the group scales to the 16-bit weights instead of each group's fp32 partial.
     group_m row blocks take each column block in turn. expert_grid launches main's decode grid
     instead: one program per (expert, column block), walking the expert's row blocks (no row-block
-    lookup). num_warps_down / num_stages_down default to num_warps / num_stages. split_k > 1 splits down's
-    k-blocks into that many runs, each its own programs and its own [P, H] slice of the pair rows, which
-    the combine adds in split order (more programs in flight for few large experts; still no atomics).
+    lookup). block_m_down, swap_ab_down, num_warps_down and num_stages_down default to block_m, swap_ab,
+    num_warps and num_stages (for_down). split_k > 1 splits down's k-blocks into that many runs, each its own
+    programs and its own [P, H] slice of the pair rows, which the combine adds in split order (more programs
+    in flight for few large experts; still no atomics).
     dependent_launch: programmatic dependent launch (kernels/triton_w4a16.py) where the GPU has it: H200, graph
     us of the whole layer without / with it (2026-12-02, one run), Qwen3 at M = 1 / 2 / 4 / 8 / 16 109.1 /
     111.1 / 114.2 / 122.4 / 133.5 -> 106.1 / 108.8 / 111.7 / 120.2 / 133.1, Mixtral at M = 1 / 4 / 8 / 16
@@ -90,6 +98,8 @@ class TritonConfig:
     block_k: int = 128
     num_warps_down: int | None = None
     num_stages_down: int | None = None
+    block_m_down: int | None = None
+    swap_ab_down: bool | None = None
     swap_ab: bool = False
     scale_weights: bool = False
     group_m: int = 8
@@ -104,18 +114,46 @@ class TritonConfig:
             raise ValueError(f"split_k must be >= 1, not {self.split_k}")
         if self.block_k not in BLOCK_KS:
             raise ValueError(f"block_k must be one of {BLOCK_KS}, not {self.block_k}")
-        if self.block_m < 16 or self.block_m & (self.block_m - 1):
-            raise ValueError(f"block_m must be a power of two >= 16, not {self.block_m}")
+        if self.block_m < (8 if self.swap_ab else 16) or self.block_m & (self.block_m - 1):
+            raise ValueError(f"block_m must be a power of two >= 16 (>= 8 with swap_ab), not {self.block_m}")
+        if self.block_m_down is not None or self.swap_ab_down is not None:
+            self.for_down()  # validates down's block_m and swap_ab
         for block, tile in ((self.block_n_gate_up, self.tile_n_gate_up), (self.block_n_down, self.tile_n_down)):
             if tile < 16 or tile & (tile - 1) or block % tile or block & (block - 1):
                 raise ValueError(f"block_n {block} must be a power-of-two multiple of its tile {tile} (>= 16)")
         if self.group_m < 1:
             raise ValueError(f"group_m must be >= 1, not {self.group_m}")
 
+    def for_down(self) -> TritonConfig:
+        """The configuration down launches with: block_m, swap_ab, num_warps and num_stages as down takes them."""
+        return replace(self, block_m=self.block_m_down or self.block_m, block_m_down=None,
+                       swap_ab=self.swap_ab if self.swap_ab_down is None else self.swap_ab_down, swap_ab_down=None,
+                       num_warps=self.num_warps_down or self.num_warps, num_warps_down=None,
+                       num_stages=self.num_stages_down or self.num_stages, num_stages_down=None)
+
     @classmethod
     def for_load(cls, num_pairs: int, num_experts: int) -> TritonConfig:
         """The fastest configuration bench_kernel --sweep measured for the load (H200, Triton 3.6,
         2026-12-02, commit 4344a33, graph time per tokens-per-expert M):
+
+        up to 8 pairs per expert (H200, 2026-12-04, graph us of the whole layer, best of three interleaved rounds;
+        "skewed": rows pick their top-k with lognormal expert popularity (sigma 0.7), at most 7 / 12 / 18 / 31 pairs
+        on one of Qwen3's experts at M = 1 / 2 / 4 / 8): 8-row blocks with x as the MMA's 8-wide operand (swap_ab)
+        on the row-block grid. Qwen3 before -> with it at M = 1 / 2 / 4 / 8, 102.1 / 102.7 / 103.8 / 106.6 -> 95.3 /
+        96.8 / 98.7 / 102.3 (at M = 1 gate_up 62.4 -> 59.3, down 36.5 -> 33.3); skewed 87.1 / 97.2 / 121.6 / 139.1
+        -> 63.8 / 85.2 / 97.0 / 119.2. The same blocks on main's grid (expert_grid) were faster on the even load,
+        91.7 / 93.2 / 95.3 / 99.0 (80.2% of copy at M = 1), but slower skewed, 71.9 / 92.7 / 120.6 / 172.1: a program
+        walks its expert's rows 8 at a time, every 8 rows one more pass over the weights; not taken. On the row-block
+        grid group_m 1 / 128 gave 95.1-102.5 / 96.1-103.7 even and 63.4-119.7 / 65.6-129.6 skewed. Earlier the same
+        day, on main's grid: 4 stages 93.4 / 101.3 at M = 1 / 8 against 91.8 / 99.4, down on 4 stages 91.2 / 99.4,
+        down on 1 warp 91.4 / 100.3, gate_up on 1 warp 99.6 / 105.9; swap_ab at 16 rows 101.0-114.1 against
+        102.1-113.4 at M = 1-16 (n16: no less tensor work); 8-row blocks at M = 16 (two per expert) 154.3 against
+        113.6. Mixtral: gate_up on those blocks with group_m 1, down unchanged (block_m_down 16, unswapped), at M =
+        1 / 2 / 4 / 8 209.7 / 209.3 / 213.2 / 215.5 -> 200.3 / 203.2 / 203.0 / 205.8 (gate_up at M = 1 135.3 ->
+        126.2), skewed at M = 2 / 8 (at most 7 / 22 pairs on an expert) 212.1 / 297.6 -> 180.4 / 259.1 (group_m 8:
+        196.3 / 270.9), but 230.7 -> 321.1 at M = 16; down too on swapped 8-row blocks was slower, 4 warps (wgmma)
+        218.4 / 221.1 / 223.8 at M = 1 / 4 / 8 against 208.2 / 209.9 / 216.7 (down 72.9 -> 81.3 at M = 8), 2 warps
+        231.7 / 233.8 / 237.3.
 
         decode (M <= 16), re-measured per launch on the branch kernels-decode (2026-12-02, graph us of
         gate_up and down alone, at M = 1 / 4 / 16): gate_up with 2 warps (3 stages, 64-column blocks) took
@@ -135,7 +173,7 @@ class TritonConfig:
         133.1 (an earlier run: 119.7 / 128.6 against 122.1 / 131.0).
         Before (same date, commit 4344a33): few large experts: 4 stages, 1-2% faster at M = 1-8; at
         M = 16 down tiles of 256 rows with 8 warps, 246 against 265 us. Many small experts (Qwen3,
-        E = 128): this default, and up to M = 8 on main's grid (expert_grid): the row-block grid
+        E = 128): this default, and up to M = 8 (until 2026-12-04) on main's grid (expert_grid): the row-block grid
         (commit c827664, routing ranked or counted) took 116 / 154 / 147 / 150 us at M = 1 / 2 / 4 /
         8 against main's layer's 107 / 110 / 116 / 130 (2026-12-02; at M = 1 gate_up 66.0, down
         40.1 us), but 139 against 158 at M = 16. Mixtral's decode on the row-block grid was at or
@@ -167,10 +205,15 @@ class TritonConfig:
         """
         per_expert = -(-num_pairs // num_experts)
         few = num_experts <= FEW_EXPERTS
+        if per_expert <= 8:
+            if few:
+                return cls(block_m=8, swap_ab=True, num_warps=2, group_m=1, block_m_down=16, swap_ab_down=False,
+                           num_warps_down=4, num_stages_down=4, split_k=2)
+            return cls(block_m=8, swap_ab=True, num_warps=2)
         if per_expert <= 16:
             if few:
                 return cls(num_warps=2, num_warps_down=4, num_stages_down=4, split_k=2)
-            return cls(num_warps=2, expert_grid=per_expert <= 8)
+            return cls(num_warps=2)
         if per_expert < 48:
             return cls(block_m=32)
         if per_expert > 64:
@@ -291,8 +334,9 @@ class TritonExperts(PreparedExperts):
 
         Up to ROUTE_SCAN_MAX_WORK (experts + rows) x pairs: one launch ranks them (scan_route_kernel;
         a program per few experts or rows). Else stable counting sorts, O(P) work in count / cumsum / scatter
-        launches: the first pass by expert and by the row's low digit at once, then LSD passes of up
-        to RADIX_BITS bits for the rest of the row, and a binary search for the row bounds.
+        launches: the first pass by expert and by the row's low digit at once (the whole row up to
+        WHOLE_ROW_BITS bits), then LSD passes of up to RADIX_BITS bits for the rest of the row, and a
+        binary search for the row bounds.
         """
         e, p, dev = self.num_experts, pair_rows.numel(), pair_rows.device
         pairs, rows, crows, cpairs = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(4))
@@ -310,7 +354,7 @@ class TritonExperts(PreparedExperts):
             )
             return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds)
         row_bits = max(1, (num_rows - 1).bit_length())
-        digits = max(2, _next_pow2(e), 1 << min(row_bits, RADIX_BITS))
+        digits = max(2, _next_pow2(e), 1 << (row_bits if row_bits <= WHOLE_ROW_BITS else RADIX_BITS))
         block_p, blocks = self._blocks(p, digits)
         counts = torch.empty(2, 1 + digits * blocks, dtype=torch.int32, device=dev)
         self.kernels.route_count_kernel[(blocks,)](
@@ -408,7 +452,7 @@ class TritonExperts(PreparedExperts):
     def down(self, act, routes: Routes, cfg: TritonConfig) -> torch.Tensor:
         """-> [split_k, P, H] fp32: row p of slice s is pair p's router * (act @ w2^T) over split s's k-blocks."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        w2 = self.w2
+        w2, cfg = self.w2, cfg.for_down()
         part = torch.empty(cfg.split_k, act.shape[0], h, dtype=torch.float32, device=act.device)  # [S, P, H]
         num_n, num_m = _cdiv(w2.padded_rows, cfg.block_n_down), self._row_blocks(act.shape[0], cfg)
         self.kernels.down_kernel[(num_n * (e if cfg.expert_grid else num_m) * cfg.split_k,)](
@@ -422,8 +466,8 @@ class TritonExperts(PreparedExperts):
             TILE_N=w2.block_n, GROUP_M=cfg.group_m, BLOCK_E=_expert_slots(e),
             IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), SWAP_AB=cfg.swap_ab,
             SCALE_W=cfg.scale_weights, EVEN_K=i % w2.block_k == 0, EVEN_N=w2.padded_rows % cfg.block_n_down == 0,
-            NUM_STAGES=cfg.num_stages_down or cfg.num_stages, EXPERT_GRID=cfg.expert_grid, SPLIT_K=cfg.split_k,
-            **_launch_options(cfg, act, cfg.num_warps_down or cfg.num_warps),
+            NUM_STAGES=cfg.num_stages, EXPERT_GRID=cfg.expert_grid, SPLIT_K=cfg.split_k,
+            **_launch_options(cfg, act, cfg.num_warps),
         )
         return part
 

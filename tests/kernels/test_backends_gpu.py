@@ -61,6 +61,11 @@ def test_triton_matches_reference(cuda, moe_problem, rel_error, hidden, inter, g
                      scale_weights=True),
         TritonConfig(block_k=64, block_m=64, block_n_gate_up=128, num_warps=8, swap_ab=True, scale_weights=True),
         TritonConfig(swap_ab=True),
+        # for_load's up to 8 pairs per expert: 8-row blocks, x as the MMA's 8-wide operand; for few experts down
+        # on 16-row blocks unswapped, its k-blocks split
+        TritonConfig(block_m=8, swap_ab=True, num_warps=2),
+        TritonConfig(block_m=8, swap_ab=True, num_warps=2, group_m=1, block_m_down=16, swap_ab_down=False,
+                     num_warps_down=4, num_stages_down=4, split_k=2),
         # main's decode grid: a program walks its expert's three 16-row blocks, or two 32-row blocks with the
         # prefill operands
         TritonConfig(expert_grid=True),
@@ -82,9 +87,8 @@ def test_triton_configs_and_gelu(cuda, moe_problem, rel_error, config):
 @pytest.mark.parametrize("tokens", [1, 17])  # one row block per expert, two
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_expert_grid_matches_reference(cuda, moe_problem, rel_error, hidden, inter, group, tokens, dtype):
-    """Main's decode grid (for_load's for many experts up to 8 pairs each): a program per (expert, column
-    block) walks the expert's row blocks."""
-    assert TritonConfig.for_load(8 * 128, 128).expert_grid
+    """Main's decode grid (for_load's for many experts up to 8 pairs each until 2026-12-04, a sweep neighbour
+    since): a program per (expert, column block) walks the expert's row blocks."""
     p = moe_problem(experts=4, hidden=hidden, inter=inter, group=group, tokens_per_expert=tokens).to(cuda)
     x = p.hidden.to(dtype)
     out = TritonExperts(p.weights, "silu", cuda, TritonConfig(expert_grid=True))(
