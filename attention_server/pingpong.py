@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -42,6 +43,7 @@ from attention_server.vllm_internals import (
     CPUModelRunner, CPUWorker, UBatchContext, cpu_worker, create_forward_context, current_stream, get_forward_context,
     make_ubatch_contexts,
 )  # fmt: skip
+from expert_server.config import BENCHMARK_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +122,11 @@ class PingPongCPUModelRunner(CPUModelRunner):
 
     def __init__(self, vllm_config, device: torch.device):
         super().__init__(vllm_config, device)
-        self.microbatches = max(1, self.parallel_config.ubatch_size)  # the most a step is cut into
+        self.max_microbatches = max(1, self.parallel_config.ubatch_size)  # the most a step is cut into
+        self.microbatches = self.max_microbatches  # the fixed m, when auto is None
         cfg = AttentionConfig.from_env()
-        self.auto = AutoMicroBatches(self.microbatches) if cfg and cfg.pingpong_microbatches is None else None
+        self.auto = AutoMicroBatches(self.max_microbatches) if cfg and cfg.pingpong_microbatches is None else None
+        self._auto = self.auto  # kept while a benchmark fixes m (fix_microbatches)
         self._threads: MicroBatchThreads | None = None
         self._in_step = False  # inside execute_model; vLLM's dummy runs are never split
         self._times: metrics.StepTimes | None = None  # found once the model is loaded
@@ -187,9 +191,20 @@ class PingPongCPUModelRunner(CPUModelRunner):
         )
         forwards = [self._slice_forward(input_ids[s.token_slice], positions[..., s.token_slice]) for s in slices]
         if self._threads is None:
-            self._threads = MicroBatchThreads(self.microbatches)
+            self._threads = MicroBatchThreads(self.max_microbatches)
         with override_forward_context(step):  # the step's own again once the slices are done
             return torch.cat(self._threads.run(contexts, forwards))
+
+    def fix_microbatches(self, m: int | None) -> None:
+        """Benchmarks only: every step from the next at m micro-batches (at most the configured
+        most; steps with fewer requests run whole), or None: auto again, with what it learned so
+        far (it learns only from its own steps)."""
+        if m is None and self._auto is None:
+            raise ValueError("auto is not on: this server was started with a fixed m")
+        if m is not None and not 1 <= m <= self.max_microbatches:
+            raise ValueError(f"m must be 1 to {self.max_microbatches} on this server, got {m}")
+        self.auto = self._auto if m is None else None
+        self.microbatches = self.max_microbatches if m is None else m
 
     def _slice_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Callable[[], torch.Tensor]:
         def forward() -> torch.Tensor:
@@ -225,6 +240,15 @@ class PingPongCPUWorker(CPUWorker):
                             cfg.pingpong_microbatches)  # fmt: skip
         with _builds_runner(PingPongCPUModelRunner):
             super().init_device()
+
+    def hetero_moe_bench_microbatches(self, value: str) -> str:
+        """Benchmarks only (HETERO_MOE_BENCHMARK=1, through vLLM's dev-mode collective_rpc):
+        "1" to the configured most, or "auto", from the next step on; make bench-pingpong measures
+        every m in one server process, since on a VM one process keeps its own speed for its life."""
+        if os.environ.get(BENCHMARK_ENV) != "1":
+            raise PermissionError(f"changing m at run time is for benchmarks only ({BENCHMARK_ENV}=1)")
+        self.model_runner.fix_microbatches(None if value == "auto" else int(value))
+        return value
 
     def hetero_moe_expert_load(self) -> dict | None:
         """The expert load view as JSON (attention_server/load/route.py asks through vLLM's

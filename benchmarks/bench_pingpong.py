@@ -23,11 +23,16 @@ this machine (--cpus split), as they would on separate machines: sharing cores, 
 work during the overlap takes the attention node's time, which ping-pong exists to keep busy.
 --cpus shared leaves the placement to vLLM and Linux, for comparison.
 
-Per regime one attention server per m (1, 2, 3, 4 and auto) starts, all at once, on the same
-workers; they are measured in rounds that alternate between them, the order rotating from round
-to round, so that the machine's drift falls on every m alike (measured one after another, points
-moved by 10-20% with their place in the sequence). auto (attention_server/pingpong_auto.py) is
-measured like the others and reported beside the best fixed m with the steps it ran at each m.
+Per regime one attention server starts (with auto), and every point (m = 1, 2, 3, 4 and auto)
+sets its m on it before each use, through vLLM's dev-mode collective_rpc and a benchmark-only
+worker method (HETERO_MOE_BENCHMARK=1): on this VM one process keeps its own speed for its whole
+life (twins up to 2x apart), so one server per m measured the processes along with the m. auto
+(attention_server/pingpong_auto.py) learns only from its own steps and resumes with what it
+learned each time it is chosen again, as in a long-running server. The points are measured in
+rounds that alternate between them, the order rotating from round to round, so that the
+machine's drift falls on every m alike (measured one after another, points moved by 10-20% with
+their place in the sequence); auto is reported beside the best fixed m with the steps it ran at
+each m.
 Every point also runs 16 clients streaming at once (requests that come and go, as users' do):
 output tokens/s and how many requests failed.
 
@@ -128,15 +133,17 @@ def decode_seconds(client, model: str, batch: int, tokens: int, prompts: list[st
 STREAMS = 16
 
 
-def streams(client, model: str) -> tuple[float, int]:
-    """(output tokens/s, failed requests) of STREAMS clients streaming DECODE_TOKENS tokens each at once."""
+def streams(client, model: str, tag: str) -> tuple[float, int]:
+    """(output tokens/s, failed requests) of STREAMS clients streaming DECODE_TOKENS tokens each at once.
+    Their prompts start with `tag`, one per point: the points share a server, whose prefix cache
+    would otherwise spare every point but the first its prefills."""
     import threading
 
     tokens, failed = [0] * STREAMS, [0]
 
     def one(i: int) -> None:
         try:
-            chunks = client.completions.create(model=model, prompt=f"{i} {PROMPT}", max_tokens=DECODE_TOKENS,
+            chunks = client.completions.create(model=model, prompt=f"{tag} {i} {PROMPT}", max_tokens=DECODE_TOKENS,
                                                temperature=0, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
             tokens[i] = sum(1 for c in chunks if c.choices and c.choices[0].text is not None)
         except Exception:  # counted: the bench reports failures instead of dying on them
@@ -170,13 +177,24 @@ class Server:
         from openai import OpenAI
 
         self.url, self.batch, self.regime, self.m, self.prompts = f"{base_url}/metrics", batch, regime, m, prompts
+        self.control = f"{base_url}/collective_rpc"
         self.client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
         self.model = self.client.models.list().data[0].id
         self.steps, self.rates, self.forwards, self.waits, self.by_m = [], [], [], [], {}
         self.streams: tuple[float, int] = (0.0, 0)
 
+    def select(self) -> None:
+        """This point's m for the server's next steps: one server process runs every m of a regime
+        (Cluster.start_attention), through a benchmark-only worker method."""
+        import urllib.request
+
+        body = json.dumps({"method": "hetero_moe_bench_microbatches", "args": [label(self.m)]}).encode()
+        request = urllib.request.Request(self.control, body, {"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=60).read()
+
     def warm(self) -> None:
         """The batch shape compiled, caches filled."""
+        self.select()
         decode_seconds(self.client, self.model, self.batch, 4, self.prompts)
 
     def sample(self) -> None:
@@ -184,6 +202,7 @@ class Server:
         attention node's forward and expert wait per decode step the same way, from its metrics
         (the 1-token request is the prefill the other also has). The batch's requests all ask
         PROMPT (so they route alike), or `prompts`."""
+        self.select()
         s0 = scrape_sums(self.url)
         one = decode_seconds(self.client, self.model, self.batch, 1, self.prompts)
         s1 = scrape_sums(self.url)
@@ -204,7 +223,8 @@ class Server:
                 self.by_m[m] = self.by_m.get(m, 0.0) + decode_only(key)
 
     def sample_streams(self) -> None:
-        self.streams = streams(self.client, self.model)
+        self.select()
+        self.streams = streams(self.client, self.model, f"{self.regime} m={label(self.m)}")
 
     def point(self) -> Point:
         """Medians over the rounds."""
@@ -271,26 +291,25 @@ class Cluster:
         if self.split_cpus:
             os.sched_setaffinity(0, POOL_B_CPUS)
 
-    def start_attention(self, servers: dict[str, list[str]]) -> dict[str, str]:
-        """One attention server per entry, {name: its flags beyond the cluster's}, all started at
-        once (their log: attention-`name`) and all up on return: {name: its base URL}. A server
-        that is up and idle costs this machine nothing."""
+    def start_attention(self, name: str, *flags: str) -> str:
+        """An attention server with `flags` beyond the cluster's (log: attention-`name`), up on
+        return: its base URL. It starts with auto, and each point sets its own m on it before each
+        use (Server.select: vLLM's dev-mode collective_rpc and a benchmark-only worker method)."""
         self.stop("attention")
-        urls, procs = {}, {}
         env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_MOE_")}
+        env |= {BENCHMARK_ENV: "1", "VLLM_SERVER_DEV_MODE": "1"}
         if self.split_cpus:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, POOL_A_CPUS))  # vLLM binds its model worker there
-        for (name, flags), port in zip(servers.items(), free_ports(len(servers))):
-            cmd = [sys.executable, "-m", "attention_server", "--model", str(self.model), "--expert-endpoints",
-                   ",".join(self.spec.endpoints), *self.spec.security_args(), "--host", HOST, "--port", str(port),
-                   *flags, *VLLM_ARGS]  # fmt: skip
-            with (self.logs / f"attention-{name}.log").open("wb") as f:
-                procs[name] = self.procs[f"attention-{name}"] = subprocess.Popen(
-                    cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env)  # fmt: skip
-            urls[name] = f"http://{HOST}:{port}"
-        for url in urls.values():
-            wait_http_ready(url, procs.values(), timeout_s=1200)
-        return urls
+        (port,) = free_ports(1)
+        cmd = [sys.executable, "-m", "attention_server", "--model", str(self.model), "--expert-endpoints",
+               ",".join(self.spec.endpoints), *self.spec.security_args(), "--host", HOST, "--port", str(port),
+               "--pingpong-microbatches", "auto", *flags, *VLLM_ARGS]  # fmt: skip
+        with (self.logs / f"attention-{name}.log").open("wb") as f:
+            proc = self.procs["attention"] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                                              start_new_session=True, env=env)  # fmt: skip
+        url = f"http://{HOST}:{port}"
+        wait_http_ready(url, [proc], timeout_s=1200)
+        return url
 
     def stop(self, prefix: str = "") -> None:
         chosen = {n: p for n, p in self.procs.items() if n.startswith(prefix)}
@@ -303,10 +322,6 @@ class Cluster:
 
 def label(m: int | None) -> str:
     return "auto" if m is None else str(m)
-
-
-def pingpong_flags(m: int | None) -> list[str]:
-    return ["--pingpong-microbatches", label(m)]
 
 
 def ideal_step_ms(base: Point, layers: int, m: int, own_ms: float, d_ms: float) -> float:
@@ -346,7 +361,7 @@ def main() -> None:
         # Calibration: the attention node's busy time per MoE layer, and the remote time this machine
         # adds by itself (transport, the workers' CPU), with instant workers.
         cluster.start_workers(0.0, 0.0)
-        url = cluster.start_attention({"m1": pingpong_flags(1)})["m1"]
+        url = cluster.start_attention("calibration")
         (calib,) = measure_interleaved([Server(url, a.batch, "no delay", 1)])
         context = prompt_tokens(url)
         points.append(calib)
@@ -364,8 +379,8 @@ def main() -> None:
         }
         for regime, delays in regimes.items():
             cluster.start_workers(delays["delay_ms"], delays["delay_us_per_row"])
-            urls = cluster.start_attention({f"m{label(m)}": pingpong_flags(m) for m in ms})
-            measured = measure_interleaved([Server(urls[f"m{label(m)}"], a.batch, regime, m) for m in ms])
+            url = cluster.start_attention(regime.split()[0])
+            measured = measure_interleaved([Server(url, a.batch, regime, m) for m in ms])
             base = measured[0]
             for m, point in zip(ms, measured):
                 # auto's ideal: the best m's

@@ -42,7 +42,7 @@ import numpy as np
 
 import tiny_models
 from benchmarks.bench_pingpong import (
-    DECODE_TOKENS, VLLM_ARGS, Cluster, Server, measure_interleaved, pingpong_flags, prompt_tokens,
+    DECODE_TOKENS, VLLM_ARGS, Cluster, Server, measure_interleaved, prompt_tokens,
 )  # fmt: skip
 from protos.checkpoint import read_checkpoint
 from benchmarks import machine
@@ -104,17 +104,14 @@ def warm_until_placed(client, model: str, base_url: str, batch: int, hot: bool, 
 
 
 def run(cluster: Cluster, name: str, hot_bytes: int, spare_bytes: int, batch: int) -> Placement:
-    flags = [*pingpong_flags(1), "--hot-expert-bytes", str(hot_bytes), "--spare-expert-bytes", str(spare_bytes),
-             "--expert-load-window", "6"]  # fmt: skip
-    url = cluster.start_attention({name: flags})[name]
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
-    model = client.models.list().data[0].id
+    url = cluster.start_attention(name, "--hot-expert-bytes", str(hot_bytes), "--spare-expert-bytes", str(spare_bytes),
+                                  "--expert-load-window", "6")  # fmt: skip
+    server = Server(url, batch, name, 1, prompts(batch))
+    server.select()  # m = 1 from the warm-up on
     if hot_bytes or spare_bytes:
-        warm_until_placed(client, model, url, batch, bool(hot_bytes), bool(spare_bytes))
+        warm_until_placed(server.client, server.model, url, batch, bool(hot_bytes), bool(spare_bytes))
     before = load_view(url)
-    (point,) = measure_interleaved([Server(url, batch, name, 1, prompts(batch))])
+    (point,) = measure_interleaved([server])
     after = load_view(url)
     counts = np.asarray(after["total"]) - np.asarray(before["total"])
     dealt = np.asarray(after["shard_total"]) - np.asarray(before["shard_total"])
