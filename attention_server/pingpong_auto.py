@@ -30,7 +30,8 @@ m = 1. A measurement not renewed within EXPIRE_STEPS steps of its bucket is drop
 changed load is measured again. Meanwhile the m that runs is measured on every step and the others
 not at all, so a few slow steps of an m (a busy moment of the host) would keep it off for those
 EXPIRE_STEPS: every REPROBE_STEPS steps of a bucket, the m not run for that long whose last figure
-came closest to the best's (within REPROBE_MARGIN) is measured afresh. A batch of fewer than 2 requests runs whole.
+came closest to the best's (within REPROBE_MARGIN) is measured afresh. A batch of fewer than 2
+requests runs whole.
 """
 from __future__ import annotations
 
@@ -105,16 +106,16 @@ class AutoMicroBatches:
     def _times(self, num_tokens: int) -> LayerTimes:
         return self.buckets.setdefault(num_tokens.bit_length(), LayerTimes())
 
-    def _neighbour(self, times: LayerTimes, has) -> LayerTimes | None:
-        """The bucket nearest to `times` (the smaller on a tie), other than it, for which has(bucket)."""
-        key = next(k for k, t in self.buckets.items() if t is times)
-        known = [k for k, t in self.buckets.items() if t is not times and has(t)]
+    def _neighbour(self, num_tokens: int) -> LayerTimes | None:
+        """The nearest other bucket (the smaller on a tie) with an o of its own."""
+        key = num_tokens.bit_length()
+        known = [k for k, t in self.buckets.items() if k != key and len(t.overhead)]
         return self.buckets[min(known, key=lambda k: (abs(k - key), k))] if known else None
 
-    def _model(self, times: LayerTimes) -> tuple[float | None, float]:
+    def _model(self, num_tokens: int, times: LayerTimes) -> tuple[float | None, float]:
         """(o, c) for a bucket: its own, else its nearest neighbour's; o None while neither has one,
         c 0.0 while unknown (the most a split can gain)."""
-        source = times if len(times.overhead) else self._neighbour(times, lambda t: len(t.overhead))
+        source = times if len(times.overhead) else self._neighbour(num_tokens)
         if source is None:
             return None, 0.0
         return source.overhead.median, (source.fixed.median if len(source.fixed) else 0.0)
@@ -127,7 +128,7 @@ class AutoMicroBatches:
         if times.last <= limit and 0 < times.samples(times.last) < MIN_SAMPLES:
             return times.last  # measuring it
         if not len(times.node):  # no b and r for this batch size yet
-            neighbour = self._neighbour(times, lambda t: len(t.overhead))
+            neighbour = self._neighbour(num_tokens)
             if neighbour is None:
                 return 1
             # an m whose steps did not wait hid its experts' time: the next try is a smaller m
@@ -135,7 +136,7 @@ class AutoMicroBatches:
             return max(1, min(neighbour.last, limit, min(tried, default=limit + 1) - 1))
         if times.samples(1) == 0 and times.steps - times.node.seen >= EXPIRE_STEPS:
             return 1  # b and r have expired with m = 1's figure: measured afresh
-        o, c = self._model(times)
+        o, c = self._model(num_tokens, times)
         if o is None:
             return 2
         estimate = {m: times.measured[m].median if times.samples(m) else times.predict(m, o, c)
@@ -175,7 +176,7 @@ class AutoMicroBatches:
         # the micro-batches waited, so the layer is their cycle: layer = node/m + c + (r - c)/m
         waited = wait >= WAIT_BOUND * layer
         if not len(times.node):
-            o, c = self._model(times)
+            o, c = self._model(num_tokens, times)
             if waited and o is not None:  # started at a neighbour's m: b and r from its o and c
                 times.node.add(max(0.0, node - (m - 1) * o), times.steps)
                 times.round_trip.add(max(c, m * layer - node - (m - 1) * c), times.steps)
