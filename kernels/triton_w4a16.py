@@ -33,10 +33,15 @@ run of k-blocks, each run its own programs); combine_kernel (one program per row
 sums a row's pairs in (slice, pair) order. No float atomics: the output is bitwise the same run to
 run. gate_up also zeroes a slice of `out` (rows without pairs stay zero).
 Dependent launches (USE_GDC: CUDA, sm_90+, launched with launch_pdl): gate_up, down and the combine may
-start while the launch before them still runs (each signals its dependents when it starts), so their
-programs are resident and set up when the previous launch ends. They wait for it (gdc_wait) before
-touching memory: what it writes, and any buffer the caching allocator may have handed over from a tensor
-freed behind it.
+start while the launch before them still runs, so their programs are resident and set up when the previous
+launch ends. gate_up waits for the routing (gdc_wait) before touching memory -- what it writes, and any
+buffer the caching allocator may have handed over from a tensor freed behind it -- and only then lets down
+start. down waits finer (WAIT_EXPERT), on integer counters the routing zeroes (ready [E+1]): gate_up adds 1
+at [e] per act tile of expert e it has stored and at [E] when a program ends; a down program waits for its
+expert's act tiles alone (release / acquire at GPU scope), so it starts on the experts that are ready while
+gate_up's last programs still run (their tail), and the combine, after down, waits for all of gate_up's
+programs (their zeros in out). No deadlock: a dependent grid starts only once every program of the grid
+before it has started. Without WAIT_EXPERT, down waits for the whole of gate_up (gdc_wait).
 """
 from __future__ import annotations
 
@@ -219,6 +224,35 @@ def _activate(x, ACTIVATION: tl.constexpr):
     return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
 
 
+@triton.jit
+def _signal(count_ptr):
+    """Adds 1 to *count_ptr once every thread of the program has stored what it publishes (release, GPU scope)."""
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait_count(count_ptr, need):
+    """Waits until *count_ptr >= need (acquire, GPU scope): what the signalling programs stored is then visible to
+    every thread of this program."""
+    seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    while seen < need:
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _zero_ready(ready_ptr, numel, READY_BLOCK: tl.constexpr):
+    """Program pid's share of ready[0..numel) = 0 (gate_up's per-expert counts of finished act tiles and its count
+    of finished programs)."""
+    chunk = tl.cdiv(numel, tl.num_programs(0))
+    start = tl.program_id(0) * chunk
+    end = tl.minimum(start + chunk, numel)
+    for z in range(start, end, READY_BLOCK):
+        offs = z + tl.arange(0, READY_BLOCK)
+        tl.store(ready_ptr + offs, tl.zeros([READY_BLOCK], dtype=tl.int32), mask=offs < end)
+
+
 # ---- routing ----------------------------------------------------------------------------------------
 
 
@@ -265,13 +299,15 @@ def scan_route_kernel(
     experts_ptr, rows_ptr, weights_ptr, P, E, T,  # [P] local expert, row (< T), router weight of each pair
     bounds_ptr, srows_ptr, sweights_ptr, spairs_ptr,  # out: [E+1] int32; [P] row, fp32 weight, pair by expert
     crows_ptr, cpairs_ptr, rbounds_ptr,  # out: [P] int32 row and pair sorted by (row, pair); [T+1] int32
-    BLOCK_P: tl.constexpr, KEYS: tl.constexpr, USE_GDC: tl.constexpr,
+    ready_ptr,  # out: [E+1] int32 zeroed (_zero_ready)
+    BLOCK_P: tl.constexpr, KEYS: tl.constexpr, READY_BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """Both stable orders by ranking, no atomics: programs 0..cdiv(E, KEYS)-1 own KEYS experts each, the rest
     KEYS rows each (_scan_keys). Positions depend only on the inputs."""
     if USE_GDC:
         gdc_launch_dependents()
     pid = tl.program_id(0)
+    _zero_ready(ready_ptr, E + 1, READY_BLOCK)
     expert_programs = tl.cdiv(E, KEYS)
     if pid < expert_programs:
         _scan_keys(experts_ptr, pid * KEYS, E, P, bounds_ptr, spairs_ptr, srows_ptr, rows_ptr, weights_ptr,
@@ -328,9 +364,11 @@ def _destinations(keys_ptr, shift, P, starts_ptr, num_blocks,
 def route_count_kernel(
     experts_ptr, rows_ptr, P,  # [P] local expert, row of each pair
     counts_ptr, stride_c, num_blocks,  # out: [2, 1 + NUM_DIGITS * num_blocks] int32: by expert, by row digit
-    BLOCK_P: tl.constexpr, NUM_DIGITS: tl.constexpr,
+    ready_ptr, E,  # out: [E+1] int32 zeroed (_zero_ready)
+    BLOCK_P: tl.constexpr, NUM_DIGITS: tl.constexpr, READY_BLOCK: tl.constexpr,
 ):
     """The first pass's counts: experts (< NUM_DIGITS) and the rows' low digit (row % NUM_DIGITS)."""
+    _zero_ready(ready_ptr, E + 1, READY_BLOCK)
     _store_counts(experts_ptr, 0, P, counts_ptr, num_blocks, BLOCK_P, NUM_DIGITS)
     _store_counts(rows_ptr, 0, P, counts_ptr + stride_c, num_blocks, BLOCK_P, NUM_DIGITS)
 
@@ -510,20 +548,26 @@ def gate_up_kernel(
     s_ptr, stride_se, stride_sg,  # [E, Hp/G, 2*Ip] fp32
     act_ptr, stride_at,  # [P, I] out: act(gate) * up, at each pair's sorted position
     zero_ptr, zero_numel, zero_chunk,  # fp32 buffer this kernel zeroes (the combine's output)
+    ready_ptr,  # [E+1] int32, zeroed by the routing: +1 at [e] per finished act tile of expert e, at [E] per program
     num_n, num_m, E, I, Ip, H,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     ACTIVATION: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
     SCALE_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-    ZERO_BLOCK: tl.constexpr, EXPERT_GRID: tl.constexpr, USE_GDC: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr, EXPERT_GRID: tl.constexpr, LATE_DEPENDENTS: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """One program: BLOCK_N gate columns and their up columns of BLOCK_M sorted positions of one expert
     (program = _work_item's), or EXPERT_GRID of each of the expert's row blocks in turn (program =
-    column block * E + expert)."""
+    column block * E + expert). Each act tile it stores it counts in ready[e]; its end in ready[E].
+    LATE_DEPENDENTS: down may start only once every program has waited for the routing (down, or the combine
+    after it, then reads the routing's output without a gdc_wait of its own)."""
     pid = tl.program_id(0)
     if USE_GDC:
-        gdc_launch_dependents()
+        if not LATE_DEPENDENTS:
+            gdc_launch_dependents()
         gdc_wait()  # the routing's output, and `out` (its memory may have been a tensor the routing still reads)
+        if LATE_DEPENDENTS:
+            gdc_launch_dependents()
     z_end = tl.minimum(pid * zero_chunk + zero_chunk, zero_numel)  # this program's slice of the output
     for z in range(pid * zero_chunk, z_end, ZERO_BLOCK):
         offs_z = z + tl.arange(0, ZERO_BLOCK)
@@ -537,12 +581,15 @@ def gate_up_kernel(
             _gate_up_block(x_ptr, stride_xt, srows_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt, s_ptr, stride_se,
                            stride_sg, act_ptr, stride_at, I, Ip, H, GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N,
                            ACTIVATION, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES)
+            _signal(ready_ptr + e)
     else:
         e, m0, end, nb = _work_item(pid, num_n, num_m, bounds_ptr, stride_b, E, BLOCK_M, BLOCK_E, GROUP_M)
         if e < E:
             _gate_up_block(x_ptr, stride_xt, srows_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt, s_ptr, stride_se,
                            stride_sg, act_ptr, stride_at, I, Ip, H, GROUP, BLOCK_K, BLOCK_M, BLOCK_N, TILE_N,
                            ACTIVATION, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES)
+            _signal(ready_ptr + e)
+    _signal(ready_ptr + E)
 
 
 @triton.jit
@@ -600,17 +647,20 @@ def down_kernel(
     s_ptr, stride_se, stride_sg,  # [E, Ip/G, Hp] fp32
     part_ptr, stride_ps, stride_pp,  # [SPLIT_K, P, H] fp32 out: each pair's router-weighted row (its share of
     # the k-blocks), at its pair index
+    ready_ptr, gate_up_n,  # [E+1] int32 (gate_up_kernel's); gate_up's column blocks
     num_n, num_m, E, H, Hp, I,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr, SCALE_W: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr, EXPERT_GRID: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_GDC: tl.constexpr,
+    SPLIT_K: tl.constexpr, GATE_UP_M: tl.constexpr, WAIT_EXPERT: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """One program: BLOCK_M sorted positions of one expert x BLOCK_N output columns (program = _work_item's),
     or EXPERT_GRID each of the expert's row blocks in turn (program = column block * E + expert). SPLIT_K > 1:
     the k-blocks split into SPLIT_K equal runs, program + split * (programs of one split) takes run `split`
-    and writes slice `split` of part (combine_kernel adds the slices in order)."""
+    and writes slice `split` of part (combine_kernel adds the slices in order).
+    WAIT_EXPERT: a program waits for its expert's act tiles alone (_wait_for_act), not for all of gate_up: under a
+    dependent launch it starts on experts gate_up has finished while gate_up's last programs still run."""
     pid = tl.program_id(0)
     num_kb = tl.cdiv(I, BLOCK_K)
     if SPLIT_K == 1:
@@ -628,11 +678,15 @@ def down_kernel(
         part_ptr += split.to(tl.int64) * stride_ps
     if USE_GDC:
         gdc_launch_dependents()
-        gdc_wait()  # gate_up's act
+        if not WAIT_EXPERT:  # else none: gate_up launched this grid after its own wait for the routing
+            gdc_wait()  # gate_up's act
     if EXPERT_GRID:
         e = pid % E
         nb = pid // E
         end = tl.load(bounds_ptr + (e + 1) * stride_b)
+        if WAIT_EXPERT:
+            if tl.load(bounds_ptr + e * stride_b) < end:
+                _wait_for_act(ready_ptr, bounds_ptr, stride_b, e, gate_up_n, GATE_UP_M)
         for m0 in range(tl.load(bounds_ptr + e * stride_b), end, BLOCK_M):
             _down_block(act_ptr, stride_at, spairs_ptr, sweights_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt,
                         s_ptr, stride_se, stride_sg, part_ptr, stride_pp, H, Hp, I, b_lo, b_hi, GROUP, BLOCK_K, BLOCK_M, BLOCK_N,
@@ -640,9 +694,19 @@ def down_kernel(
     else:
         e, m0, end, nb = _work_item(pid, num_n, num_m, bounds_ptr, stride_b, E, BLOCK_M, BLOCK_E, GROUP_M)
         if e < E:
+            if WAIT_EXPERT:
+                _wait_for_act(ready_ptr, bounds_ptr, stride_b, e, gate_up_n, GATE_UP_M)
             _down_block(act_ptr, stride_at, spairs_ptr, sweights_ptr, e, m0, end, nb, w_ptr, stride_we, stride_wt,
                         s_ptr, stride_se, stride_sg, part_ptr, stride_pp, H, Hp, I, b_lo, b_hi, GROUP, BLOCK_K, BLOCK_M, BLOCK_N,
                         TILE_N, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES)
+
+
+@triton.jit
+def _wait_for_act(ready_ptr, bounds_ptr, stride_b, e, gate_up_n, GATE_UP_M: tl.constexpr):
+    """Waits until gate_up has stored every act tile of expert e (its GATE_UP_M-row blocks x gate_up_n column
+    blocks; ready: gate_up_kernel's)."""
+    pairs = tl.load(bounds_ptr + (e + 1) * stride_b) - tl.load(bounds_ptr + e * stride_b)
+    _wait_count(ready_ptr + e, tl.cdiv(pairs, GATE_UP_M) * gate_up_n)
 
 
 @triton.jit
@@ -700,16 +764,22 @@ def combine_kernel(
     part_ptr, stride_ps, stride_pp,  # [SPLITS, P, H] fp32 router-weighted pair rows (down_kernel's k-splits)
     cpairs_ptr, rbounds_ptr, stride_rb,  # [P] int32 pair index sorted by (row, pair); [T+1] int32 (strided)
     out_ptr, stride_ot,  # [T, H] fp32; rows without pairs keep the zeros gate_up wrote
-    H, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, USE_GDC: tl.constexpr,
+    ready_ptr, E, gate_up_programs,  # [E+1] int32: ready[E] counts gate_up's finished programs
+    H, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WAIT_GATE_UP: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """out[t] = row t's pairs' rows summed in pair order, BLOCK_R at a time, split after split: a fixed
     order, no atomics.
 
     Program (t, nb): row t's pairs are positions [rbounds[t], rbounds[t+1]) of cpairs. One program per
     row, not per position: no programs that only find they start no run.
+    WAIT_GATE_UP: it waits for all of gate_up's programs (their zeros in out), which down's end no longer implies
+    when down waited per expert.
     """
     if USE_GDC:
         gdc_wait()  # down's pair rows
+    if WAIT_GATE_UP:
+        _wait_count(ready_ptr + E, gate_up_programs)
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = offs_n < H

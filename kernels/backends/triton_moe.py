@@ -29,6 +29,7 @@ GROUP_SIZES = (32, 64, 128, 256)
 BLOCK_KS = (64, 128)
 COMBINE_BLOCK_R, COMBINE_BLOCK_N = 8, 256  # pairs a combine program adds per step (top-8: one), columns it owns
 ROW_BOUNDS_BLOCK = 1024  # rows a row_bounds_kernel program searches for
+READY_BLOCK = 1024  # counters a routing program zeroes per step
 RADIX_BITS = 8  # at most 2^8 digits per routing pass over rows, but for the first pass below
 # Rows of up to this many bits the first counting pass sorts whole (up to 2^10 digits): no further pass by row and no
 # row_bounds search. H200, 2026-12-04, graph us, best of three interleaved rounds: Qwen3 at M = 64 (1024 rows, 8 + 2
@@ -73,6 +74,28 @@ class TritonConfig:
     L2 for their first 2 / 4 / 8 weight k-blocks before waiting were slower (Qwen3 M = 1: 107.2 / 109.7 /
     116.8 against 106.8), and so were register caps of 96 / 80 per thread for more programs per SM (spills:
     Qwen3 M = 1 111.5 / 117.4 against 106.1, M = 8 198.8 against 120.2).
+    wait_per_expert: a down program waits (integer counters, kernels/triton_w4a16.py) for its expert's act tiles
+    alone, not for all of gate_up, so down fills the SMs that gate_up's last wave leaves idle (ncu, H200,
+    2026-12-04, Qwen3 at M = 1 before it: gate_up 62.5 us with the SMs active 84% of it, down 34.0 us, 84%; 89% /
+    87% at M = 8, 96% at M = 64; DRAM at 3.47 / 3.24 TB/s over the kernels, about 4.1 / 3.9 while active).
+    The combine waiting likewise for its row's pairs alone (per-pair counters from down), not for all of down,
+    was measured and not kept. H200, 2026-12-04, one run, graph us of the whole layer, best of three interleaved
+    rounds, neither / wait_per_expert / both ("skewed": bench-kernel's even rows, experts drawn by lognormal
+    popularity, sigma 0.7): Qwen3 at M = 1 / 4 /
+    8 / 16 97.5 / 100.8 / 104.6 / 115.5 -> 86.1 / 90.7 / 96.2 / 112.2 / 85.6 / 89.9 / 94.3 / 112.0, skewed at M =
+    1 / 8 63.0 / 122.1 -> 58.9 / 115.0 / 58.5 / 114.1; at M = 64 / 256 272.9 / 793.0 -> 274.6 / 796.1 / 276.2 /
+    803.6; Mixtral at M = 1 / 16 202.4 / 221.6 -> 196.7 / 222.4 / 210.2 / 237.9, skewed at M = 1 172.3 -> 153.9 /
+    163.1. Every output bitwise equal to the first path's. So wait_per_expert by default, the per-pair wait not.
+    Tried the same day and not kept (Qwen3, graph us at M = 1 / 2 / 4 / 8 / 16, against 95.7 / 97.2 / 98.4 /
+    103.1 / 113.6 in the same run): one program per (expert, column block) for each expert's first row block and
+    row-block programs for the rest, 94.2 / 95.8 / 98.6 / 104.1 / 115.5, skewed (at most 5 / 8 / 20 / 39 / 116
+    pairs on an expert at M = 1 / 2 / 4 / 8 / 16) 61.4 / 89.2 / 96.4 / 129.9 / 151.9 against 61.1 / 87.5 / 91.7 /
+    118.8 / 148.9, 276.0 against 269.4 at M = 64; the weight loads with L2 evict_first, within 1.5 us at every M;
+    (against 96.5 / 98.0 / 100.4 / 103.8 / 114.2) down loading its pair indices and router weights before its
+    k-loop (142 registers against 128 on Triton 3.9) 97.7 / 98.4 / 101.4 / 104.0 / 115.6, 285.1 against 269.7 at
+    M = 64; 64-column down tiles 96.6-119.7, on 1 warp 95.7 / 97.0 / 99.1 / 102.6 / 114.6, 32-column gate_up
+    tiles 96.0-122.9, on 1 warp 97.0-123.9, both 96.4-128.7. Dequantizing each nibble quarter just before its MMA
+    (four asm blocks) gave the same SASS as one block for all four (sm_90a, Triton 3.9): not timed.
     Decode on wgmma was slower (H200, 2026-12-03, Qwen3 whole layer, graph us at M = 1 / 8 / 16, for_load 103.2 /
     116.1 / 131.0): swap_ab + scale_weights on 4 warps at block_m 16 121.7 / 134.1 / 146.4; with 4 stages, 8 warps
     and 128-column gate_up blocks, 256-row down blocks, or the row-block grid 120-168; swap_ab alone (fp32 group
@@ -106,6 +129,7 @@ class TritonConfig:
     tile_n_gate_up: int = 64
     tile_n_down: int = 128
     expert_grid: bool = False
+    wait_per_expert: bool = True
     split_k: int = 1
     dependent_launch: bool = True  # CUDA sm_90+ only: gate_up, down and combine start under the launch before
 
@@ -262,6 +286,7 @@ class Routes:
     crows: torch.Tensor  # [P] int32
     cpairs: torch.Tensor  # [P] int32
     row_bounds: torch.Tensor  # [T+1] int32, a strided view
+    ready: torch.Tensor  # [E+1] int32, zeroed by the routing: gate_up's finished act tiles per expert, its programs
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,6 +366,7 @@ class TritonExperts(PreparedExperts):
         e, p, dev = self.num_experts, pair_rows.numel(), pair_rows.device
         pairs, rows, crows, cpairs = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(4))
         router = torch.empty(p, dtype=torch.float32, device=dev)
+        ready = torch.empty(e + 1, dtype=torch.int32, device=dev)  # zeroed by the first routing launch
         if (e + num_rows) * p <= ROUTE_SCAN_MAX_WORK:
             keys = 1
             while _cdiv(e, keys) + _cdiv(num_rows, keys) > ROUTE_SCAN_PROGRAMS:
@@ -349,16 +375,17 @@ class TritonExperts(PreparedExperts):
             row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=dev)
             self.kernels.scan_route_kernel[(_cdiv(e, keys) + _cdiv(num_rows, keys),)](
                 pair_experts, pair_rows, pair_weights, p, e, num_rows, bounds, rows, router, pairs, crows, cpairs,
-                row_bounds, BLOCK_P=max(16, min(_next_pow2(p), ROUTE_SCAN_ELEMENTS // keys)), KEYS=keys,
-                USE_GDC=has_dependent_launch(dev), num_warps=4,
+                row_bounds, ready, BLOCK_P=max(16, min(_next_pow2(p), ROUTE_SCAN_ELEMENTS // keys)), KEYS=keys,
+                READY_BLOCK=READY_BLOCK, USE_GDC=has_dependent_launch(dev), num_warps=4,
             )
-            return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds)
+            return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds, ready)
         row_bits = max(1, (num_rows - 1).bit_length())
         digits = max(2, _next_pow2(e), 1 << (row_bits if row_bits <= WHOLE_ROW_BITS else RADIX_BITS))
         block_p, blocks = self._blocks(p, digits)
         counts = torch.empty(2, 1 + digits * blocks, dtype=torch.int32, device=dev)
         self.kernels.route_count_kernel[(blocks,)](
-            pair_experts, pair_rows, p, counts, counts.stride(0), blocks, BLOCK_P=block_p, NUM_DIGITS=digits,
+            pair_experts, pair_rows, p, counts, counts.stride(0), blocks, ready, e, BLOCK_P=block_p, NUM_DIGITS=digits,
+            READY_BLOCK=READY_BLOCK,
         )
         # Integer cumsums (the same sums in any order), a 1-D scan per order: torch's scan along the rows of the
         # [2, N] tensor took 330 us against 11 for two 1-D scans at N = 262145 (Qwen3, M = 1024; H200, 2026-12-03).
@@ -375,7 +402,7 @@ class TritonExperts(PreparedExperts):
         passes = _cdiv(max(0, row_bits - done), RADIX_BITS)
         width = _cdiv(row_bits - done, passes) if passes else 0
         if not passes:  # the first pass sorted whole rows: its row-digit starts are the row starts
-            return Routes(bounds, rows, router, pairs, crows, cpairs, starts[1, ::blocks][: num_rows + 1])
+            return Routes(bounds, rows, router, pairs, crows, cpairs, starts[1, ::blocks][: num_rows + 1], ready)
         for i in range(passes):
             crows, cpairs = self._row_pass(crows, cpairs, done + i * width, 1 << width)
         row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=dev)
@@ -383,7 +410,7 @@ class TritonExperts(PreparedExperts):
             crows, p, num_rows, p.bit_length(), row_bounds, BLOCK_T=ROW_BOUNDS_BLOCK, USE_GDC=has_dependent_launch(dev),
             num_warps=4,
         )
-        return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds)
+        return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds, ready)
 
     @staticmethod
     def _blocks(p: int, digits: int) -> tuple[int, int]:
@@ -422,14 +449,19 @@ class TritonExperts(PreparedExperts):
         block holds a pair (grid slots past the real blocks exit at once)."""
         return min(num_pairs, _cdiv(num_pairs, cfg.block_m) + self.num_experts)
 
+    def _gate_up_grid(self, num_pairs: int, cfg: TritonConfig) -> tuple[int, int, int]:
+        """gate_up's (column blocks, row blocks, programs)."""
+        num_n, num_m = _cdiv(self.w13.padded_rows, cfg.block_n_gate_up), self._row_blocks(num_pairs, cfg)
+        return num_n, num_m, num_n * (self.num_experts if cfg.expert_grid else num_m)
+
     def gate_up(self, x, routes: Routes, cfg: TritonConfig):
-        """-> act [P, I] in x's dtype (sorted positions), out [T, H] fp32 zeroed for `combine`."""
+        """-> act [P, I] in x's dtype (sorted positions), out [T, H] fp32 zeroed for `combine`. Counts its finished
+        act tiles and programs in routes.ready (down and the combine wait on those)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         act = torch.empty(routes.rows.numel(), i, dtype=x.dtype, device=x.device)  # [P, I]
         out = torch.empty(x.shape[0], h, dtype=torch.float32, device=x.device)  # [T, H], zeroed by gate_up
         w13 = self.w13
-        num_n, num_m = _cdiv(w13.padded_rows, cfg.block_n_gate_up), self._row_blocks(act.shape[0], cfg)
-        programs = num_n * (e if cfg.expert_grid else num_m)
+        num_n, num_m, programs = self._gate_up_grid(act.shape[0], cfg)
         zero_chunk = _cdiv(_cdiv(out.numel(), programs), 64) * 64
         self.kernels.gate_up_kernel[(programs,)](
             x, x.stride(0),
@@ -437,7 +469,7 @@ class TritonExperts(PreparedExperts):
             w13.w, w13.w.stride(0), w13.w.stride(1),
             w13.s, w13.s.stride(0), w13.s.stride(1),
             act, act.stride(0),
-            out, out.numel(), zero_chunk,
+            out, out.numel(), zero_chunk, routes.ready,
             num_n, num_m, e, i, w13.padded_rows, h,
             GROUP=w13.group_size, BLOCK_K=w13.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up,
             TILE_N=w13.block_n, GROUP_M=cfg.group_m, BLOCK_E=_expert_slots(e),
@@ -445,13 +477,17 @@ class TritonExperts(PreparedExperts):
             SWAP_AB=cfg.swap_ab, SCALE_W=cfg.scale_weights, EVEN_K=h % w13.block_k == 0,
             EVEN_N=w13.padded_rows % cfg.block_n_gate_up == 0,
             NUM_STAGES=cfg.num_stages, ZERO_BLOCK=1024, EXPERT_GRID=cfg.expert_grid,
+            LATE_DEPENDENTS=cfg.wait_per_expert,
             **_launch_options(cfg, x, cfg.num_warps),
         )
         return act, out
 
     def down(self, act, routes: Routes, cfg: TritonConfig) -> torch.Tensor:
-        """-> [split_k, P, H] fp32: row p of slice s is pair p's router * (act @ w2^T) over split s's k-blocks."""
+        """-> [split_k, P, H] fp32: row p of slice s is pair p's router * (act @ w2^T) over split s's k-blocks.
+        wait_per_expert: each program waits for its expert's act tiles in routes.ready, so gate_up must have been
+        launched on these routes with the same cfg first (else it waits for ever)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        gate_up_n, gate_up_m = self._gate_up_grid(act.shape[0], cfg)[0], cfg.block_m
         w2, cfg = self.w2, cfg.for_down()
         part = torch.empty(cfg.split_k, act.shape[0], h, dtype=torch.float32, device=act.device)  # [S, P, H]
         num_n, num_m = _cdiv(w2.padded_rows, cfg.block_n_down), self._row_blocks(act.shape[0], cfg)
@@ -460,24 +496,26 @@ class TritonExperts(PreparedExperts):
             routes.pairs, routes.router, routes.bounds, routes.bounds.stride(0),
             w2.w, w2.w.stride(0), w2.w.stride(1),
             w2.s, w2.s.stride(0), w2.s.stride(1),
-            part, part.stride(0), part.stride(1),
+            part, part.stride(0), part.stride(1), routes.ready, gate_up_n,
             num_n, num_m, e, h, w2.padded_rows, i,
             GROUP=w2.group_size, BLOCK_K=w2.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down,
             TILE_N=w2.block_n, GROUP_M=cfg.group_m, BLOCK_E=_expert_slots(e),
             IS_BF16=act.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, act), SWAP_AB=cfg.swap_ab,
             SCALE_W=cfg.scale_weights, EVEN_K=i % w2.block_k == 0, EVEN_N=w2.padded_rows % cfg.block_n_down == 0,
-            NUM_STAGES=cfg.num_stages, EXPERT_GRID=cfg.expert_grid, SPLIT_K=cfg.split_k,
+            NUM_STAGES=cfg.num_stages, EXPERT_GRID=cfg.expert_grid, SPLIT_K=cfg.split_k, GATE_UP_M=gate_up_m,
+            WAIT_EXPERT=cfg.wait_per_expert,
             **_launch_options(cfg, act, cfg.num_warps),
         )
         return part
 
     def combine(self, part, routes: Routes, out, cfg: TritonConfig) -> None:
         """out[row] = sum of its pairs' rows of `part` [S, P, H], in (split, pair) order (rows without pairs
-        untouched)."""
+        untouched). Waits for all of gate_up's programs (its zeros in out) in routes.ready."""
         h = self.hidden_size
         self.kernels.combine_kernel[(out.shape[0], _cdiv(h, COMBINE_BLOCK_N))](
             part, part.stride(0), part.stride(1), routes.cpairs, routes.row_bounds, routes.row_bounds.stride(0),
-            out, out.stride(0), h, BLOCK_R=COMBINE_BLOCK_R, BLOCK_N=COMBINE_BLOCK_N, SPLITS=part.shape[0],
+            out, out.stride(0), routes.ready, self.num_experts, self._gate_up_grid(routes.rows.numel(), cfg)[2], h,
+            BLOCK_R=COMBINE_BLOCK_R, BLOCK_N=COMBINE_BLOCK_N, SPLITS=part.shape[0], WAIT_GATE_UP=cfg.wait_per_expert,
             **_launch_options(cfg, part, num_warps=2),
         )
 
