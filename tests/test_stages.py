@@ -87,14 +87,21 @@ def test_combine_is_the_float64_sum_in_worker_order(num_tokens):
     ids, weights = routing(1, num_tokens)
     plan = partition(ids, weights, Placement(E, W).shard_table())
     g = torch.Generator().manual_seed(2)
-    partials = [torch.randn(len(s.rows), H, generator=g) * 1e3 for s in plan.slices]
+    # magnitudes 1e-8 .. 1e16: a float64 sum of these in another order differs in its last bits
+    partials = [torch.randn(len(s.rows), H, generator=g) * 10.0 ** torch.randint(-8, 17, (len(s.rows), H), generator=g)
+                for s in plan.slices]  # fmt: skip
     assert len(plan.slices) > 1
 
     expected = torch.zeros(num_tokens, H, dtype=torch.float64)
     for part, partial in zip(plan.slices, partials):  # the ordered reference
         for i, t in enumerate(part.rows.tolist()):
             expected[t] += partial[i].double()
+    assert torch.equal(combine(plan, partials, H, torch.float64), expected)
     assert torch.equal(combine(plan, partials, H, torch.bfloat16), expected.to(torch.bfloat16))
+    reversed_sum = torch.zeros(num_tokens, H, dtype=torch.float64)
+    for part, partial in reversed(list(zip(plan.slices, partials))):
+        reversed_sum[part.rows] += partial.double()
+    assert not torch.equal(reversed_sum, expected), "values whose sum depends on the order"
 
 
 def test_split_over_workers_equals_one_process_moe():
