@@ -81,11 +81,11 @@ class TritonConfig:
     The combine waiting likewise for its row's pairs alone (per-pair counters from down), not for all of down,
     was measured and not kept. H200, 2026-12-04, one run, graph us of the whole layer, best of three interleaved
     rounds, neither / wait_per_expert / both ("skewed": bench-kernel's even rows, experts drawn by lognormal
-    popularity, sigma 0.7): Qwen3 at M = 1 / 4 /
-    8 / 16 97.5 / 100.8 / 104.6 / 115.5 -> 86.1 / 90.7 / 96.2 / 112.2 / 85.6 / 89.9 / 94.3 / 112.0, skewed at M =
-    1 / 8 63.0 / 122.1 -> 58.9 / 115.0 / 58.5 / 114.1; at M = 64 / 256 272.9 / 793.0 -> 274.6 / 796.1 / 276.2 /
-    803.6; Mixtral at M = 1 / 16 202.4 / 221.6 -> 196.7 / 222.4 / 210.2 / 237.9, skewed at M = 1 172.3 -> 153.9 /
-    163.1. Every output bitwise equal to the first path's. So wait_per_expert by default, the per-pair wait not.
+    popularity, sigma 0.7): Qwen3 at M = 1 / 4 / 8 / 16 97.5 / 100.8 / 104.6 / 115.5 -> 86.1 / 90.7 / 96.2 / 112.2
+    / 85.6 / 89.9 / 94.3 / 112.0, skewed at M = 1 / 8 63.0 / 122.1 -> 58.9 / 115.0 / 58.5 / 114.1; at M = 64 / 256
+    272.9 / 793.0 -> 274.6 / 796.1 / 276.2 / 803.6; Mixtral at M = 1 / 16 202.4 / 221.6 -> 196.7 / 222.4 / 210.2 /
+    237.9, skewed at M = 1 172.3 -> 153.9 / 163.1. Every output bitwise equal to the first path's. So
+    wait_per_expert by default, the per-pair wait not.
     Tried the same day and not kept (Qwen3, graph us at M = 1 / 2 / 4 / 8 / 16, against 95.7 / 97.2 / 98.4 /
     103.1 / 113.6 in the same run): one program per (expert, column block) for each expert's first row block and
     row-block programs for the rest, 94.2 / 95.8 / 98.6 / 104.1 / 115.5, skewed (at most 5 / 8 / 20 / 39 / 116
