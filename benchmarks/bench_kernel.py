@@ -316,8 +316,9 @@ DECODE_MAX_TOKENS = 16  # the sweep times decode neighbours up to here, prefill 
 
 def decode_neighbours(cfg) -> list:
     """cfg and one step from it in each decode direction: swap_ab (unswapped on blocks of at least 16 rows), 3 <-> 4
-    stages, down tiles of 128 <-> 256 rows, main's expert grid <-> row blocks, gate_up's 2 <-> 4 warps, down's k-blocks
-    split in 2 <-> not split."""
+    stages, down tiles of 128 <-> 256 rows, main's expert grid <-> row blocks, gate_up's 2 <-> 4 warps, gate_up
+    blocks twice as wide (each program reads its rows of x once for twice the columns), down's k-blocks split in 2
+    <-> not split."""
     down = replace(cfg, block_n_down=256, num_warps_down=8) if cfg.block_n_down != 256 else \
         replace(cfg, block_n_down=128, num_warps_down=None)
     warps = replace(cfg, num_warps=6 - cfg.num_warps, num_warps_down=cfg.num_warps_down or cfg.num_warps) \
@@ -325,6 +326,7 @@ def decode_neighbours(cfg) -> list:
     swap = replace(cfg, swap_ab=not cfg.swap_ab, block_m=max(16, cfg.block_m) if cfg.swap_ab else cfg.block_m)
     return list(dict.fromkeys([cfg, swap, replace(cfg, num_stages=7 - cfg.num_stages),
                                down, replace(cfg, expert_grid=not cfg.expert_grid), warps,
+                               replace(cfg, block_n_gate_up=2 * cfg.block_n_gate_up),
                                replace(cfg, split_k=1 if cfg.split_k > 1 else 2)]))
 
 

@@ -160,6 +160,13 @@ class TritonConfig:
         """The fastest configuration bench_kernel --sweep measured for the load (H200, Triton 3.6,
         2026-12-02, commit 4344a33, graph time per tokens-per-expert M):
 
+        With down's per-expert wait (H200, 2026-12-04, `bench_kernel --models qwen3-30b-a3b --tokens 1,8,16 --sweep`,
+        benchmarks/results/2026-12-04c-h200-bench_kernel-sweep.json, graph us at M = 1 / 8 / 16) the choices below
+        are still Qwen3's fastest of their neighbours: 86.9 / 96.0 / 113.2; gate_up blocks of 128 columns 94.7 /
+        101.9 / 121.9, 4 stages 89.0 / 99.8 / 117.8, main's grid 91.3 / 98.6 / 116.9, down on 2 warps 94.0 / 102.8 /
+        121.7, down's k-blocks split in 2 92.4 / 106.2 / 131.4, 256-column down tiles on 8 warps 99.3 / 110.7 /
+        124.3; at M = 16 swapped 16-row blocks 114.6.
+
         up to 8 pairs per expert (H200, 2026-12-04, graph us of the whole layer, best of three interleaved rounds;
         "skewed": rows pick their top-k with lognormal expert popularity (sigma 0.7), at most 7 / 12 / 18 / 31 pairs
         on one of Qwen3's experts at M = 1 / 2 / 4 / 8): 8-row blocks with x as the MMA's 8-wide operand (swap_ab)
