@@ -242,15 +242,20 @@ def _wait_count(count_ptr, need):
 
 
 @triton.jit
+def _zero_slice(ptr, start, end, BLOCK: tl.constexpr):
+    """ptr[start..end) = 0, BLOCK elements per store."""
+    for z in range(start, end, BLOCK):
+        offs = z + tl.arange(0, BLOCK)
+        tl.store(ptr + offs, tl.zeros([BLOCK], dtype=ptr.dtype.element_ty), mask=offs < end)
+
+
+@triton.jit
 def _zero_ready(ready_ptr, numel, READY_BLOCK: tl.constexpr):
     """Program pid's share of ready[0..numel) = 0 (gate_up's per-expert counts of finished act tiles and its count
     of finished programs)."""
     chunk = tl.cdiv(numel, tl.num_programs(0))
     start = tl.program_id(0) * chunk
-    end = tl.minimum(start + chunk, numel)
-    for z in range(start, end, READY_BLOCK):
-        offs = z + tl.arange(0, READY_BLOCK)
-        tl.store(ready_ptr + offs, tl.zeros([READY_BLOCK], dtype=tl.int32), mask=offs < end)
+    _zero_slice(ready_ptr, start, tl.minimum(start + chunk, numel), READY_BLOCK)
 
 
 # ---- routing ----------------------------------------------------------------------------------------
@@ -568,10 +573,7 @@ def gate_up_kernel(
         gdc_wait()  # the routing's output, and `out` (its memory may have been a tensor the routing still reads)
         if LATE_DEPENDENTS:
             gdc_launch_dependents()
-    z_end = tl.minimum(pid * zero_chunk + zero_chunk, zero_numel)  # this program's slice of the output
-    for z in range(pid * zero_chunk, z_end, ZERO_BLOCK):
-        offs_z = z + tl.arange(0, ZERO_BLOCK)
-        tl.store(zero_ptr + offs_z, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=offs_z < z_end)
+    _zero_slice(zero_ptr, pid * zero_chunk, tl.minimum(pid * zero_chunk + zero_chunk, zero_numel), ZERO_BLOCK)
 
     if EXPERT_GRID:
         e = pid % E
