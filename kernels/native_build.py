@@ -1,4 +1,5 @@
-"""Builds kernels/csrc/w4a16_fdot2.cu into a shared library with hipcc (AMD) or nvcc (NVIDIA).
+"""Builds kernels/csrc/w4a16_fdot2.cu into a shared library with hipcc (AMD) or nvcc (NVIDIA),
+and kernels/csrc/dense_experts.c (the workers' CPU kernel) with the host's C compiler.
 
 A build records the GPU architectures it holds code for; `check_arch` refuses to run a build on
 a device whose architecture it lacks (an AMD code object for gfx1030 does not run on gfx1100,
@@ -20,6 +21,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "w4a16_fdot2.cu"
+HOST_SOURCE = Path(__file__).parent / "csrc" / "dense_experts.c"
+# For this CPU's vector units, and no floating-point contraction: a multiply and an add stay two
+# rounded operations, so the kernel's bits do not depend on what the compiler fuses.
+HOST_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 DEFAULT_CACHE = Path.home() / ".cache" / "hetero_moe" / "kernels"
 
 
@@ -90,6 +95,36 @@ def build(platform: str, archs: tuple[str, ...], cache_dir: Path = DEFAULT_CACHE
             raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
         partial.rename(library)  # atomic: concurrent workers never load a half-written library
     return KernelBuild(library, platform, tuple(sorted(archs)))
+
+
+def build_host(cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """Compiles (or reuses a cached build of) kernels/csrc/dense_experts.c for this CPU: the cache
+    key holds the CPU's model and features, as -march=native code may not run on another."""
+    tool = shutil.which("cc") or shutil.which("gcc")
+    if tool is None:
+        raise KernelBuildError(f"no C compiler (cc or gcc) found to build {HOST_SOURCE.name}: install gcc")
+    cpu = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("model name", "flags"))]
+    key = hashlib.sha256(HOST_SOURCE.read_bytes() + repr((tool, HOST_FLAGS, cpu[:2])).encode()).hexdigest()[:16]
+    library = cache_dir / f"dense_experts_{key}.so"
+    if not library.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        partial = library.with_suffix(f".{os.getpid()}.tmp")
+        command = [tool, *HOST_FLAGS, "-o", str(partial), str(HOST_SOURCE), "-lm"]
+        logger.info("building %s: %s", HOST_SOURCE.name, " ".join(command))
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
+        partial.rename(library)  # atomic, as in build()
+    return library
+
+
+def load_host(library: Path) -> ctypes.CDLL:
+    """The library with `hm_dense_experts` typed (see the signature in the source)."""
+    lib = ctypes.CDLL(str(library))
+    lib.hm_dense_experts.restype = ctypes.c_int
+    lib.hm_dense_experts.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_int64, ctypes.c_void_p]
+    return lib
 
 
 def check_arch(kernel: KernelBuild, device: torch.device) -> None:

@@ -13,9 +13,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kernels.backends.reference import SMALL_REQUEST_PAIRS, DenseReference
 from kernels.backends.triton_moe import TritonConfig, TritonExperts, has_dependent_launch
 from kernels.oracle import create_backend
 from kernels.quant import W4A16ExpertWeights
+from kernels.reference import DenseExpertWeights
 from tests.kernels.conftest import random_int4
 
 RUNS = 5
@@ -48,6 +50,24 @@ def _assert_bitwise_repeatable(name: str, device: torch.device, rows: int, **sha
 @pytest.mark.parametrize("name", ["cpu", "reference"])
 def test_cpu_backends_are_bitwise_repeatable(name):
     _assert_bitwise_repeatable(name, torch.device("cpu"), rows=6, experts=8, hidden=256, inter=128)
+
+
+# 1 row: 8 pairs, the C kernel (kernels/csrc/dense_experts.c); 6 rows: 48 pairs, torch's GEMMs
+@pytest.mark.parametrize("rows", [1, 6])
+def test_dense_reference_is_bitwise_repeatable(rows):
+    """The workers' path for 16-bit checkpoints, both of its sizes."""
+    assert (rows * 8 <= SMALL_REQUEST_PAIRS) == (rows == 1)
+    gen = torch.Generator().manual_seed(rows)
+    weights = DenseExpertWeights(torch.randn(8, 256, 256, generator=gen).to(torch.bfloat16),
+                                 torch.randn(8, 256, 128, generator=gen).to(torch.bfloat16))  # fmt: skip
+    experts = DenseReference(weights, "silu")
+    pair_experts = torch.stack([torch.randperm(8, generator=gen) for _ in range(rows)]).flatten()
+    args = (torch.randn(rows, 256, generator=gen).to(torch.bfloat16), torch.arange(rows).repeat_interleave(8),
+            pair_experts, torch.rand(rows * 8, generator=gen))  # fmt: skip
+    first = experts(*args)
+    assert first.abs().max() > 0, "an all-zero output would repeat trivially"
+    for run in range(1, RUNS):
+        assert torch.equal(experts(*args), first), f"run {run} differs from run 0"
 
 
 @pytest.mark.gpu
