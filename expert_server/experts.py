@@ -18,6 +18,7 @@ extras existed, and gives the same bits.
 """
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -27,8 +28,14 @@ import torch
 from expert_server.weights import LoadedShard
 from kernels.backends.base import PreparedExperts
 from protos.checkpoint import MoeCheckpoint
+from protos.frames import Header
 
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _address(buffer: memoryview) -> int:
+    """Where a writable, contiguous buffer's bytes are (for a C call that reads or writes them)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 
 
 class RequestError(ValueError):
@@ -182,6 +189,22 @@ class LocalExperts:
         else:
             groups = self._grouped(table, sets, rows, experts - table.offset.take(sets), pair_weights.numpy())
         return ExpertBatch(layer=layer, hidden=hidden.to(self.device), groups=groups, num_pairs=num_pairs)
+
+    def forward_frame(self, header: Header, payload: memoryview, out: memoryview) -> bool:
+        """The common request computed straight from its FORWARD frame (header checked, `payload`
+        writable) into `out`, its reply's [rows, hidden] float32 payload: every pair in one held
+        set whose experts take frames (PreparedExperts.forward_frame), with the bits make_batch +
+        forward give. False, computing nothing, for any other request: those two then take it,
+        and refuse it naming what is wrong."""
+        table = self._tables.get(header.layer)
+        if table is None or header.hidden != self.ckpt.hidden_size or not header.rows or not header.pairs:
+            return False
+        at = header.payload - 8 * header.pairs  # the first expert id: after the rows and the pairs' rows
+        expert = int.from_bytes(payload[at : at + 4], "little", signed=True)
+        if not 0 <= expert < self.ckpt.num_experts or (held := table.set_of[expert]) < 0:
+            return False
+        return table.sets[held].forward_frame(_address(payload), header.dtype, header.rows, header.pairs,
+                                              int(table.offset[held]), _address(out))  # fmt: skip
 
     def _grouped(self, table: LayerTable, sets: np.ndarray, rows: np.ndarray, local: np.ndarray,
                  weights: np.ndarray) -> tuple[PairGroup, ...]:  # fmt: skip

@@ -119,11 +119,13 @@ def build_host(cache_dir: Path = DEFAULT_CACHE) -> Path:
 
 
 def load_host(library: Path) -> ctypes.CDLL:
-    """The library with `hm_dense_experts` typed (see the signature in the source)."""
+    """The library with `hm_dense_experts` and `hm_dense_frame` typed (see their signatures in the source)."""
     lib = ctypes.CDLL(str(library))
-    lib.hm_dense_experts.restype = ctypes.c_int
-    lib.hm_dense_experts.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_int64, ctypes.c_void_p]
+    pointer, size, code = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.hm_dense_experts.restype = lib.hm_dense_frame.restype = ctypes.c_int
+    lib.hm_dense_experts.argtypes = [pointer, size, size, size, size, pointer, pointer, code, pointer, pointer, pointer,
+                                     size, pointer]  # fmt: skip
+    lib.hm_dense_frame.argtypes = [pointer, code, size, size, size, size, size, size, pointer, pointer, code, pointer]
     return lib
 
 

@@ -208,8 +208,8 @@ def read_bytes(payload: memoryview | bytearray) -> torch.Tensor:
     return _view(payload, torch.uint8, len(payload), 0)
 
 
-def partial_header(request: int, partial: torch.Tensor, compute_ns: int) -> Header:
-    rows, width = partial.shape
+def partial_header(request: int, rows: int, width: int, compute_ns: int) -> Header:
+    """The header of a [rows, width] float32 partial."""
     return Header(Kind.PARTIAL, request, rows=rows, hidden=width, dtype=codec.wire_dtype(torch.float32),
                   payload=partial_payload(rows, width), compute_ns=compute_ns)  # fmt: skip
 

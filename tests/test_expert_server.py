@@ -10,11 +10,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM
 
+from expert_server.experts import HeldShard, LocalExperts
+from expert_server.transport.handler import ExpertHandler
+from expert_server.weights import load_shard
 from tests.support import scrape, start_workers, total
-from protos import PROTOCOL_VERSION, codec
+from protos import PROTOCOL_VERSION, codec, frames
 from protos import expert_pb2 as pb
 from protos import expert_pb2_grpc as pb_grpc
 from protos.checkpoint import read_checkpoint
+from protos.frames import Kind
 from protos.placement import Placement
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral"]
@@ -156,3 +160,43 @@ def test_health_and_reflection(served):
         (answer,) = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
         names = {s.name for s in answer.list_services_response.service}
         assert {"hetero_moe.expert.v2.ExpertService", "grpc.health.v1.Health"} <= names
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_request_computed_from_its_frame_has_the_decoded_requests_bits(model_dir, dtype):
+    """The shared-memory and TCP planes give the worker room for the reply: the common request
+    (every pair in one held set) is computed from the frame's bytes into it. Same bits as the
+    request decoded into tensors, and every request it does not take is decoded after all:
+    refused by name, as before."""
+    ckpt, cpu = read_checkpoint(model_dir("qwen3_moe")), torch.device("cpu")
+    placement = Placement(ckpt.num_experts, NUM_WORKERS)
+    start, end = placement.shard_range(1)
+    shards = [HeldShard(s, e, load_shard(ckpt, s, e, cpu, "checkpoint", None, 128)) for s, e in placement.worker_ranges(1)]
+    handler = ExpertHandler(LocalExperts(ckpt, shards, cpu))
+    x = torch.randn(3, ckpt.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+    def both_ways(rows: list[int], experts: list[int]):
+        """(decoded reply, reply computed in place, the in-place reply's partial)."""
+        weights = torch.linspace(0.1, 0.9, len(rows))
+        pairs = torch.stack([torch.tensor(rows, dtype=torch.int32), torch.tensor(experts, dtype=torch.int32),
+                             weights.view(torch.int32)])  # fmt: skip
+        header = frames.forward_header(7, ckpt.moe_layers[1], 0, len(x), ckpt.hidden_size, dtype, len(rows))
+        payload = bytearray(header.payload)
+        frames.write_forward(memoryview(payload), x, torch.arange(len(x)), pairs)
+        decoded = handler.handle(header, bytearray(payload))
+        out = bytearray(frames.reply_size(header))
+        in_place = handler.handle(header, memoryview(payload), memoryview(out))
+        return decoded, in_place, torch.frombuffer(out, dtype=torch.float32).view(len(x), -1)
+
+    every = [(r, e) for r in range(3) for e in range(start, end)]  # 3 rows x 8 experts
+    for pairs in ([(0, start)], [(2, end - 1), (0, start + 1), (2, start)], every):
+        decoded, in_place, partial = both_ways(*map(list, zip(*pairs)))
+        assert in_place.partial is None and in_place.header == decoded.header._replace(compute_ns=in_place.header.compute_ns)
+        assert partial.abs().max() > 0 and torch.equal(partial, decoded.partial), len(pairs)
+    for rows, experts, match in (([0], [0 if start else end], "are not held by this worker"),
+                                 ([0, 1], [start, ckpt.num_experts], "pair_experts must lie in"),
+                                 ([0, 3], [start, start], "pair_rows must lie in"),
+                                 ([1, 1], [start, start], "more than once")):  # fmt: skip
+        decoded, in_place, _ = both_ways(rows, experts)
+        assert in_place.header.kind == decoded.header.kind == Kind.ERROR
+        assert bytes(in_place.payload) == bytes(decoded.payload) and match in bytes(in_place.payload).decode()

@@ -137,7 +137,7 @@ class ScriptedWorker:
             time.sleep(self.delay_s)
             self.answered.append(self.worker)
             partial = torch.full((header.rows, H), self.value)
-            yield frames.partial_header(header.request, partial, 0).pack() + bytes(frames.tensor_bytes(partial))
+            yield frames.partial_header(header.request, *partial.shape, 0).pack() + bytes(frames.tensor_bytes(partial))
 
     def handler(self) -> grpc.GenericRpcHandler:
         method = grpc.stream_stream_rpc_method_handler(self.forward_frames)

@@ -41,7 +41,8 @@ class Refused(Exception):
 @dataclass(frozen=True, slots=True)
 class Reply:
     """A reply frame: its header, and the partial [T, H] float32 (PARTIAL) or the payload bytes
-    (ERROR, ECHO); each plane writes them where its payloads go."""
+    (ERROR, ECHO, and a PARTIAL computed into the plane's reply space); each plane writes them
+    where its payloads go."""
 
     header: Header
     partial: torch.Tensor | None = None
@@ -50,7 +51,7 @@ class Reply:
     @property
     def rows(self) -> int:
         """Token rows of the partial it carries (0 for echoes and errors)."""
-        return 0 if self.partial is None else self.partial.shape[0]
+        return self.header.rows if self.header.kind == Kind.PARTIAL else 0
 
     def payload_bytes(self) -> bytes | memoryview:
         return frames.tensor_bytes(self.partial) if self.partial is not None else self.payload
@@ -106,14 +107,21 @@ class ExpertHandler:
         with self._compute:
             self.experts.hold(extras)
 
-    def handle(self, header: Header, payload: memoryview | bytearray | bytes) -> Reply:
-        """A request frame whose `payload` holds exactly header.payload bytes -> the reply frame."""
+    def handle(self, header: Header, payload: memoryview | bytearray | bytes,
+               out: memoryview | None = None) -> Reply:  # fmt: skip
+        """A request frame whose `payload` holds exactly header.payload bytes -> the reply frame.
+
+        A plane may pass `out`, writable room for a FORWARD's reply payload (and a writable
+        `payload`): the common request is then computed from its frame's bytes into it
+        (LocalExperts.forward_frame), and the reply's payload is that memory, its partial None."""
         try:
             header.check_payload()
             if header.kind == Kind.ECHO:
                 return Reply(Header(Kind.ECHO, header.request, payload=len(payload)), payload=payload)
             if header.kind != Kind.FORWARD:
                 raise frames.FrameError(f"a worker answers FORWARD and ECHO frames, not {header.kind.name}")
+            if out is not None and (reply := self._forward_frame(header, payload, out)) is not None:
+                return reply
             t = frames.read_forward(header, payload)
             partial, compute_ns = self.forward(header.layer, t.hidden, t.pair_rows, t.pair_experts, t.pair_weights,
                                                header.payload)  # fmt: skip
@@ -121,7 +129,25 @@ class ExpertHandler:
             return self.error(header.request, refused)
         except Exception as exc:  # a frame that does not decode
             return self.error(header.request, self.refusal(exc))
-        return Reply(frames.partial_header(header.request, partial, compute_ns), partial=partial)
+        return Reply(frames.partial_header(header.request, *partial.shape, compute_ns), partial=partial)
+
+    def _forward_frame(self, header: Header, payload: memoryview, out: memoryview) -> Reply | None:
+        """forward() on the frame's bytes, counted alike; None when the experts do not take it."""
+        start = time.perf_counter()
+        with self._compute:
+            compute_start = time.perf_counter_ns()
+            if not self.experts.forward_frame(header, payload, out):
+                return None
+            compute_ns = time.perf_counter_ns() - compute_start
+        size = frames.partial_payload(header.rows, header.hidden)
+        metrics.BYTES_RECEIVED.inc(header.payload)
+        metrics.BYTES_SENT.inc(size)
+        metrics.ROWS.inc(header.rows)
+        metrics.PAIRS.inc(header.pairs)
+        self._ok.inc()
+        metrics.FORWARD_SECONDS.observe(time.perf_counter() - start)
+        header = frames.partial_header(header.request, header.rows, header.hidden, compute_ns)
+        return Reply(header, payload=out[:size])
 
     @staticmethod
     def refusal(exc: Exception) -> Refused:

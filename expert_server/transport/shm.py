@@ -80,7 +80,9 @@ class ShmPlane(Plane):
         if segment is None or reply_at + frames.reply_size(header) > len(segment):
             missing = FrameError("the shared segment is missing or too small for this frame and its reply")
             return self.handler.error(header.request, self.handler.refusal(missing))
-        reply = self.handler.handle(header, memoryview(segment)[: header.payload])
+        view = memoryview(segment)
+        reply_bytes = view[reply_at : reply_at + frames.reply_size(header)]
+        reply = self.handler.handle(header, view[: header.payload], reply_bytes)
         if reply.partial is not None and reply.partial.numel():
             flat = reply.partial.reshape(-1)
             torch.frombuffer(segment, dtype=torch.float32, count=flat.numel(), offset=reply_at).copy_(flat)

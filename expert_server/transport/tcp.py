@@ -29,7 +29,7 @@ class TcpPlane(Plane):
         if not self._greet(conn):
             return
         conn.settimeout(None)
-        buffer = frames.ReceiveBuffer(1 << 20)
+        buffer, replies = frames.ReceiveBuffer(1 << 20), frames.ReceiveBuffer(1 << 20)
         while True:
             try:
                 frame = frames.recv_frame(conn, buffer)
@@ -38,10 +38,12 @@ class TcpPlane(Plane):
                 return
             if frame is None:
                 return
-            reply = self.handler.handle(*frame)
+            header, payload = frame
+            reply = self.handler.handle(header, payload, replies.view(frames.reply_size(header))
+                                        if header.kind == Kind.FORWARD else None)  # fmt: skip
             payload = reply.payload_bytes()
             if delay.config and reply.partial is None:
-                payload = bytes(payload)  # an echo's bytes view the receive buffer, which the next frame reuses
+                payload = bytes(payload)  # it views a buffer the next frame reuses (an echo's, a partial's)
             delay.send(lambda header=reply.header, payload=payload: frames.send_frame(conn, header, [payload]), reply.rows)
 
     def _greet(self, conn: socket.socket) -> bool:

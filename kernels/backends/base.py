@@ -60,6 +60,14 @@ class PreparedExperts(ABC):
     ) -> torch.Tensor:
         """hidden [T, H] float, pair_rows/pair_experts [P] int, pair_weights [P] float -> [T, H] float32."""
 
+    def forward_frame(self, payload: int, dtype: int, rows: int, pairs: int, first: int, out: int) -> bool:
+        """A FORWARD frame's request computed from the frame's bytes (protos/frames.py; payload:
+        their address, dtype: the wire dtype of its rows) into the [rows, H] float32 at address
+        `out`, with the bits __call__ gives; `first`: the global id of this set's expert 0. False,
+        computing nothing, for a request it does not take (none, by default): the worker then
+        decodes the frame into tensors, checks them and calls the experts."""
+        return False
+
 
 class ExpertBackend(ABC):
     """One way to compute routed experts; `name` is what `--kernel-backend` and Info report."""

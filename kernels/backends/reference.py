@@ -4,14 +4,13 @@ from __future__ import annotations
 import ctypes
 import functools
 
-import numpy as np
 import torch
 
 from kernels import native_build
 from kernels.activations import ACTIVATION_CODES
 from kernels.backends.base import ExpertBackend, PreparedExperts, Support
 from kernels.quant import QuantScheme, W4A16ExpertWeights
-from kernels.reference import ACTIVATIONS, DenseExpertWeights, moe_experts_w4a16_reference, moe_sum, pairs_by_expert
+from kernels.reference import DenseExpertWeights, moe_experts_w4a16_reference, moe_sum
 
 
 class ReferenceBackend(ExpertBackend):
@@ -38,13 +37,6 @@ class _Reference(PreparedExperts):
         )
 
 
-# At most this many pairs (a decode request: a row or two per expert), a CPU request runs in
-# kernels/csrc/dense_experts.c; more, in torch's GEMMs, which reuse a weight tile over many rows
-# better. Measured on the development machine (tiny Qwen3-MoE shapes, one thread): 1 row of one
-# expert 7.6 us against 29, 8 rows of each of 2 experts 41 against 65, 64 rows of one 150 against 73.
-SMALL_REQUEST_PAIRS = 16
-
-
 @functools.cache
 def _host_kernel() -> ctypes.CDLL:
     return native_build.load_host(native_build.build_host())
@@ -54,22 +46,22 @@ class DenseReference(PreparedExperts):
     """16-bit experts served unquantized: the oracle's float32 math (moe_experts_reference), with
     the weights converted to float32 once instead of per call.
 
-    On the CPU a request of at most SMALL_REQUEST_PAIRS pairs is one call of the C kernel; a
-    larger one runs the gathers, router weighting and sums on numpy views and the matmuls and the
-    activation in torch (whose thread setting they follow). Either way the result is the same
-    for the same request on every run.
+    On the CPU each request is one call of the C kernel (kernels/csrc/dense_experts.c), from its
+    tensors or from the frame that carried it (forward_frame): a decode request costs a few
+    microseconds, where torch's dispatches cost tens, and every row's partial has the same bits
+    whatever else the request holds. One thread: on the development machine it matched torch's
+    GEMMs up to 64 rows of an expert and took 1.4x their time at 128 (tiny Qwen3-MoE shapes).
     """
 
     def __init__(self, weights: DenseExpertWeights, activation: str) -> None:
         self.activation = activation
-        self.act = ACTIVATIONS[activation]
         self.hidden_size = weights.hidden_size
         self.num_experts = weights.num_experts
         self.w13t = [w.float().t().contiguous() for w in weights.w13]  # E x [H, 2I]
         self.w2t = [w.float().t().contiguous() for w in weights.w2]  # E x [I, H]
         self.intermediate = self.w2t[0].shape[0] if self.w2t else 0
-        if weights.w13.device.type == "cpu":
-            self._kernel = _host_kernel().hm_dense_experts
+        self._lib = _host_kernel() if weights.w13.device.type == "cpu" else None
+        if self._lib is not None:
             self._w13t_ptrs = (ctypes.c_void_p * self.num_experts)(*(w.data_ptr() for w in self.w13t))
             self._w2t_ptrs = (ctypes.c_void_p * self.num_experts)(*(w.data_ptr() for w in self.w2t))
             self._act_code = ACTIVATION_CODES[activation]
@@ -78,30 +70,27 @@ class DenseReference(PreparedExperts):
         if hidden.device.type != "cpu":
             return moe_sum(hidden, pair_rows, pair_experts, pair_weights, self.hidden_size,
                            lambda e: (self.w13t[e].t(), self.w2t[e].t()), self.activation)  # fmt: skip
-        if pair_rows.shape[0] <= SMALL_REQUEST_PAIRS:
-            return self._small(hidden, pair_rows, pair_experts, pair_weights)
-        x = hidden.float().numpy()  # [T, H]
-        rows, weights = pair_rows.numpy(), pair_weights.numpy()
-        out = np.zeros((hidden.shape[0], self.hidden_size), dtype=np.float32)
-        for e, pairs in pairs_by_expert(pair_experts):
-            r = rows[pairs]  # unique within an expert, so `+=` below adds each row once
-            gate, up = (torch.from_numpy(x[r]) @ self.w13t[e]).chunk(2, dim=-1)  # [R, I] each
-            y = ((self.act(gate) * up) @ self.w2t[e]).numpy()  # [R, H]
-            y *= weights[pairs][:, None]
-            out[r] += y
-        return torch.from_numpy(out)
-
-    def _small(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
         x = hidden.float().contiguous()
         rows, experts = pair_rows.long().contiguous(), pair_experts.long().contiguous()
         weights = pair_weights.float().contiguous()
         out = torch.empty(x.shape[0], self.hidden_size, dtype=torch.float32)
-        status = self._kernel(x.data_ptr(), x.shape[0], self.hidden_size, self.intermediate, self.num_experts,
-                              self._w13t_ptrs, self._w2t_ptrs, self._act_code, rows.data_ptr(), experts.data_ptr(),
-                              weights.data_ptr(), rows.shape[0], out.data_ptr())  # fmt: skip
+        status = self._lib.hm_dense_experts(x.data_ptr(), x.shape[0], self.hidden_size, self.intermediate,
+                                            self.num_experts, self._w13t_ptrs, self._w2t_ptrs, self._act_code,
+                                            rows.data_ptr(), experts.data_ptr(), weights.data_ptr(), rows.shape[0],
+                                            out.data_ptr())  # fmt: skip
         if status == -2:
             raise MemoryError("dense_experts.c: no memory for a request's scratch buffers")
         if status != 0:  # the caller validated the pairs (LocalExperts.make_batch)
             raise ValueError(f"a pair names a row outside [0, {x.shape[0]}) or an expert outside "
                              f"[0, {self.num_experts})")
         return out
+
+    def forward_frame(self, payload: int, dtype: int, rows: int, pairs: int, first: int, out: int) -> bool:
+        """On the CPU (hm_dense_frame: __call__'s kernel, which checks the pairs itself)."""
+        if self._lib is None:
+            return False
+        status = self._lib.hm_dense_frame(payload, dtype, rows, self.hidden_size, pairs, first, self.intermediate,
+                                          self.num_experts, self._w13t_ptrs, self._w2t_ptrs, self._act_code, out)
+        if status == -2:
+            raise MemoryError("dense_experts.c: no memory for a request's scratch buffers")
+        return status == 0
