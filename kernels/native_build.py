@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,17 +85,24 @@ def build(platform: str, archs: tuple[str, ...], cache_dir: Path = DEFAULT_CACHE
     """Compiles (or reuses a cached build of) the fdot2 kernel for `archs`."""
     key = hashlib.sha256(SOURCE.read_bytes() + repr((platform, sorted(archs))).encode()).hexdigest()[:16]
     library = cache_dir / f"w4a16_fdot2_{platform}_{'_'.join(sorted(archs))}_{key}.so"
-    if not library.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        partial = library.with_suffix(f".{os.getpid()}.tmp")
-        command = compile_command(platform, archs, partial)
-        logger.info("building %s: %s", SOURCE.name, " ".join(command))
-        env = {**os.environ, "HIP_PLATFORM": "amd"} if platform == "hip" else None
-        result = subprocess.run(command, capture_output=True, text=True, env=env)
-        if result.returncode != 0:
-            raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
-        partial.rename(library)  # atomic: concurrent workers never load a half-written library
+    env = {**os.environ, "HIP_PLATFORM": "amd"} if platform == "hip" else None
+    _compile_once(library, lambda partial: compile_command(platform, archs, partial), env)
     return KernelBuild(library, platform, tuple(sorted(archs)))
+
+
+def _compile_once(library: Path, command_for: Callable[[Path], list[str]], env: dict[str, str] | None = None) -> None:
+    """Runs command_for(partial) unless `library` exists, then renames partial to it: atomic, so
+    concurrent workers never load a half-written library."""
+    if library.exists():
+        return
+    library.parent.mkdir(parents=True, exist_ok=True)
+    partial = library.with_suffix(f".{os.getpid()}.tmp")
+    command = command_for(partial)
+    logger.info("building %s: %s", library.name, " ".join(command))
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
+    partial.rename(library)
 
 
 def build_host(cache_dir: Path = DEFAULT_CACHE) -> Path:
@@ -106,15 +114,7 @@ def build_host(cache_dir: Path = DEFAULT_CACHE) -> Path:
     cpu = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("model name", "flags"))]
     key = hashlib.sha256(HOST_SOURCE.read_bytes() + repr((tool, HOST_FLAGS, cpu[:2])).encode()).hexdigest()[:16]
     library = cache_dir / f"dense_experts_{key}.so"
-    if not library.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        partial = library.with_suffix(f".{os.getpid()}.tmp")
-        command = [tool, *HOST_FLAGS, "-o", str(partial), str(HOST_SOURCE), "-lm"]
-        logger.info("building %s: %s", HOST_SOURCE.name, " ".join(command))
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
-        partial.rename(library)  # atomic, as in build()
+    _compile_once(library, lambda partial: [tool, *HOST_FLAGS, "-o", str(partial), str(HOST_SOURCE), "-lm"])
     return library
 
 

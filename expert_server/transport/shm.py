@@ -77,12 +77,12 @@ class ShmPlane(Plane):
 
     def _answer(self, header: Header, segment: mmap.mmap | None) -> Reply:
         reply_at = frames.reply_offset(header.payload)
-        if segment is None or reply_at + frames.reply_size(header) > len(segment):
+        reply_end = reply_at + frames.reply_size(header)
+        if segment is None or reply_end > len(segment):
             missing = FrameError("the shared segment is missing or too small for this frame and its reply")
             return self.handler.error(header.request, self.handler.refusal(missing))
         view = memoryview(segment)
-        reply_bytes = view[reply_at : reply_at + frames.reply_size(header)]
-        reply = self.handler.handle(header, view[: header.payload], reply_bytes)
+        reply = self.handler.handle(header, view[: header.payload], view[reply_at:reply_end])
         if reply.partial is not None and reply.partial.numel():
             flat = reply.partial.reshape(-1)
             torch.frombuffer(segment, dtype=torch.float32, count=flat.numel(), offset=reply_at).copy_(flat)

@@ -42,6 +42,11 @@ def _host_kernel() -> ctypes.CDLL:
     return native_build.load_host(native_build.build_host())
 
 
+def _no_memory_is_an_error(status: int) -> None:
+    if status == -2:
+        raise MemoryError("dense_experts.c: no memory for a request's scratch buffers")
+
+
 class DenseReference(PreparedExperts):
     """16-bit experts served unquantized: the oracle's float32 math (moe_experts_reference), with
     the weights converted to float32 once instead of per call.
@@ -78,8 +83,7 @@ class DenseReference(PreparedExperts):
                                             self.num_experts, self._w13t_ptrs, self._w2t_ptrs, self._act_code,
                                             rows.data_ptr(), experts.data_ptr(), weights.data_ptr(), rows.shape[0],
                                             out.data_ptr())  # fmt: skip
-        if status == -2:
-            raise MemoryError("dense_experts.c: no memory for a request's scratch buffers")
+        _no_memory_is_an_error(status)
         if status != 0:  # the caller validated the pairs (LocalExperts.make_batch)
             raise ValueError(f"a pair names a row outside [0, {x.shape[0]}) or an expert outside "
                              f"[0, {self.num_experts})")
@@ -91,6 +95,5 @@ class DenseReference(PreparedExperts):
             return False
         status = self._lib.hm_dense_frame(payload, dtype, rows, self.hidden_size, pairs, first, self.intermediate,
                                           self.num_experts, self._w13t_ptrs, self._w2t_ptrs, self._act_code, out)
-        if status == -2:
-            raise MemoryError("dense_experts.c: no memory for a request's scratch buffers")
+        _no_memory_is_an_error(status)
         return status == 0
