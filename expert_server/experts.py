@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from expert_server.native import FrameTables
 from expert_server.weights import LoadedShard
 from kernels.backends.base import PreparedExperts
 from protos.checkpoint import MoeCheckpoint
@@ -100,6 +101,8 @@ class LocalExperts:
         self.layers = tuple(first.layers)
         self.kernel_backend, self.weight_format = first.kernel_backend, first.weight_format
         self.load_format, self.group_size = first.load_format, first.group_size
+        # The tables as the shared-memory plane's C loop reads them, when a set computes frames in C.
+        self.frames: FrameTables | None = None
         self._tables = self._build({})
 
     @property
@@ -129,6 +132,10 @@ class LocalExperts:
             sets = tuple(s.loaded.layers[layer] for s in self.shards) + tuple(extras[layer, e] for e in ids)
             offset = np.array([s.start for s in self.shards] + list(ids), dtype=np.int64)
             tables[layer] = LayerTable(sets, set_of, offset, ids)
+        if self.frames is None and any(s.frame_kernel() is not None for t in tables.values() for s in t.sets):
+            self.frames = FrameTables(self.ckpt.hidden_size, self.ckpt.num_experts)
+        if self.frames is not None:
+            self.frames.set({layer: (t.sets, t.set_of, t.offset) for layer, t in tables.items()})
         return tables
 
     def make_batch(

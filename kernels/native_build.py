@@ -22,7 +22,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "w4a16_fdot2.cu"
-HOST_SOURCE = Path(__file__).parent / "csrc" / "dense_experts.c"
+# The host library: the dense experts' kernel, and the shared-memory plane's serving loop that calls it.
+HOST_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("dense_experts.c", "shm_serve.c"))
 # For this CPU's vector units, and no floating-point contraction: a multiply and an add stay two
 # rounded operations, so the kernel's bits do not depend on what the compiler fuses.
 HOST_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
@@ -106,26 +107,36 @@ def _compile_once(library: Path, command_for: Callable[[Path], list[str]], env: 
 
 
 def build_host(cache_dir: Path = DEFAULT_CACHE) -> Path:
-    """Compiles (or reuses a cached build of) kernels/csrc/dense_experts.c for this CPU: the cache
+    """Compiles (or reuses a cached build of) HOST_SOURCES into one library for this CPU: the cache
     key holds the CPU's model and features, as -march=native code may not run on another."""
+    names = ", ".join(source.name for source in HOST_SOURCES)
     tool = shutil.which("cc") or shutil.which("gcc")
     if tool is None:
-        raise KernelBuildError(f"no C compiler (cc or gcc) found to build {HOST_SOURCE.name}: install gcc")
+        raise KernelBuildError(f"no C compiler (cc or gcc) found to build {names}: install gcc")
     cpu = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("model name", "flags"))]
-    key = hashlib.sha256(HOST_SOURCE.read_bytes() + repr((tool, HOST_FLAGS, cpu[:2])).encode()).hexdigest()[:16]
-    library = cache_dir / f"dense_experts_{key}.so"
-    _compile_once(library, lambda partial: [tool, *HOST_FLAGS, "-o", str(partial), str(HOST_SOURCE), "-lm"])
+    sources = b"".join(source.read_bytes() for source in HOST_SOURCES)
+    key = hashlib.sha256(sources + repr((tool, HOST_FLAGS, cpu[:2])).encode()).hexdigest()[:16]
+    library = cache_dir / f"hetero_moe_host_{key}.so"
+    _compile_once(library, lambda partial: [tool, *HOST_FLAGS, "-o", str(partial), *map(str, HOST_SOURCES), "-lm",
+                                            "-pthread"])  # fmt: skip
     return library
 
 
 def load_host(library: Path) -> ctypes.CDLL:
-    """The library with `hm_dense_experts` and `hm_dense_frame` typed (see their signatures in the source)."""
+    """The library with its functions typed (see their signatures in the sources)."""
     lib = ctypes.CDLL(str(library))
     pointer, size, code = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.hm_dense_experts.restype = lib.hm_dense_frame.restype = ctypes.c_int
     lib.hm_dense_experts.argtypes = [pointer, size, size, size, size, pointer, pointer, code, pointer, pointer, pointer,
                                      size, pointer]  # fmt: skip
     lib.hm_dense_frame.argtypes = [pointer, code, size, size, size, size, size, size, pointer, pointer, code, pointer]
+    lib.hm_tables_new.restype = pointer
+    lib.hm_tables_new.argtypes = [size, size]
+    lib.hm_tables_set.restype = lib.hm_tables_free.restype = None
+    lib.hm_tables_set.argtypes = [pointer, pointer, size]
+    lib.hm_tables_free.argtypes = [pointer]
+    lib.hm_shm_serve.restype = code
+    lib.hm_shm_serve.argtypes = [code, pointer, pointer, pointer]
     return lib
 
 

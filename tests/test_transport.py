@@ -137,6 +137,45 @@ def test_a_bad_request_is_refused_by_name_and_the_plane_keeps_serving(model, wor
         transport.close()
 
 
+def test_shared_memory_answers_the_common_frame_in_c_with_the_same_bits(model, workers, infos):
+    """A slot's first frame brings its segment and is answered in Python; the next ones are
+    answered by the worker's C loop (kernels/csrc/shm_serve.c). Both give unary Forward's bits,
+    the request metrics count every request once, and a frame the loop does not take is still
+    refused by name, after which the loop serves again."""
+    ckpt = read_checkpoint(model)
+    layer = ckpt.moe_layers[1]
+    batches = [routing(ckpt, num_tokens, seed) for seed, num_tokens in enumerate((1, 37), start=10)]
+    wants = [unary_partials(workers, layer, x, plan) for x, plan in batches]
+    requests = sum(len(plan.slices) for _, plan in batches)
+
+    def counted() -> tuple[float, float]:
+        scrapes = [scrape(url) for url in workers.metrics_urls]
+        return (sum(total(s, "hetero_moe_worker_requests_total", status="OK") for s in scrapes),
+                sum(total(s, "hetero_moe_worker_native_requests_total") for s in scrapes))  # fmt: skip
+
+    transport = transport_for(workers, infos, "shm")
+    try:
+        ok_before, native_before = counted()
+        for round in range(3):
+            for micro_batch, ((x, plan), want) in enumerate(zip(batches, wants)):
+                transport.send(layer, micro_batch, x, plan)
+                got = transport.take(layer, micro_batch).wait()
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), f"round {round}, micro-batch {micro_batch}"
+        ok_after, native_after = counted()
+        assert ok_after - ok_before == 3 * requests
+        assert native_after - native_before == 2 * requests, "the rounds after the first are answered in C"
+
+        x, plan = batches[1]
+        transport.send(ckpt.num_hidden_layers + 7, 1, x, plan)  # no such MoE layer: the loop hands it to Python
+        with pytest.raises(ExpertWorkerError, match="INVALID_ARGUMENT: RequestError: layer .* is not a MoE layer"):
+            transport.take(ckpt.num_hidden_layers + 7, 1).wait()
+        transport.send(layer, 1, x, plan)
+        assert all(torch.equal(g, w) for g, w in zip(transport.take(layer, 1).wait(), wants[1]))
+        assert counted()[1] - native_after == len(plan.slices)
+    finally:
+        transport.close()
+
+
 def test_a_frame_that_is_not_one_is_refused_with_a_reason(workers, infos):
     """Garbage on the TCP plane and over the gRPC frame stream: INVALID_ARGUMENT naming the problem."""
     tcp_port = next(p.port for p in infos[0].data_planes if p.kind == "tcp")

@@ -4,7 +4,8 @@ The client creates one memfd segment per slot (Header.slot: one per micro-batch 
 socket (SOCK_SEQPACKET, SCM_RIGHTS), so nothing has a name in /dev/shm or on disk: when either
 side dies, even by kill -9, the kernel frees the segments and the socket. Per frame only the
 header travels over the socket. A slot holds the request payload at offset 0 and the reply's at
-`frames.reply_offset(request payload)`.
+`frames.reply_offset(request payload)`. The common FORWARD frame is answered by a loop in C
+(expert_server/native.py) without Python; every other message is answered here.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import uuid
 
 import torch
 
+from expert_server import metrics
+from expert_server.native import Connection
 from expert_server.transport.base import Plane, ReplyDelay
 from expert_server.transport.handler import ExpertHandler, Reply
 from protos import codec, frames
@@ -40,24 +43,37 @@ class ShmPlane(Plane):
             return
         conn.settimeout(None)
         segments: dict[int, mmap.mmap] = {}  # per slot; unmapped when dropped
-        while True:
-            message, fds, _, _ = socket.recv_fds(conn, HEADER.size, 1)
-            if not message:
-                return
-            try:
-                header = Header.unpack(message)
-                header.check_payload()
-            except (FrameError, codec.CodecError) as err:
-                reply = self.handler.refuse_stream(err)
-            else:
-                if fds:  # a new (or larger) segment for this slot's frames
-                    segments[header.slot] = mmap.mmap(fds[0], 0)
-                reply = self._answer(header, segments.get(header.slot))
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            message = reply.header.pack() + (bytes(reply.payload) if reply.header.kind == Kind.ERROR else b"")
-            delay.send(lambda message=message: conn.send(message), reply.rows)
+        # The common frame is answered by the C loop (native.py) when a held set computes frames
+        # in C; every other message comes back here. Not under a benchmark's reply delay.
+        frames = self.handler.experts.frames
+        loop = Connection(conn.fileno(), frames, metrics.NATIVE) if frames and not delay.config else None
+        try:
+            while True:
+                if loop is None:
+                    message, fds, _, _ = socket.recv_fds(conn, HEADER.size, 1)
+                else:
+                    message, fds = loop.serve() or (b"", [])
+                if not message:
+                    return
+                try:
+                    header = Header.unpack(message)
+                    header.check_payload()
+                except (FrameError, codec.CodecError) as err:
+                    reply = self.handler.refuse_stream(err)
+                else:
+                    if fds:  # a new (or larger) segment for this slot's frames
+                        segments[header.slot] = mmap.mmap(fds[0], 0)
+                        if loop is not None:
+                            loop.map(header.slot, segments[header.slot])
+                    reply = self._answer(header, segments.get(header.slot))
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                message = reply.header.pack() + (bytes(reply.payload) if reply.header.kind == Kind.ERROR else b"")
+                delay.send(lambda message=message: conn.send(message), reply.rows)
+        finally:
+            if loop is not None:
+                loop.release()
 
     def _greet(self, conn: socket.socket) -> bool:
         """The HELLO: one message, its header and the token."""

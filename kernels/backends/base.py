@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import ctypes
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +48,30 @@ def symmetric_int4_support(scheme: QuantScheme, group_sizes: Sequence[int]) -> S
     return Support.yes()
 
 
+@dataclass(frozen=True, slots=True)
+class FrameKernel:
+    """A C function that computes a request straight from its FORWARD frame's bytes (protos/frames.py),
+    with hm_dense_frame's signature and return codes (kernels/csrc/dense_experts.c), and the arguments
+    that name one set of experts. The worker calls it from Python (PreparedExperts.forward_frame)
+    and from the shared-memory plane's serving loop in C (kernels/csrc/shm_serve.c)."""
+
+    function: ctypes._CFuncPtr  # typed as in native_build.load_host
+    w13t: int  # addresses of the set's weight tables
+    w2t: int
+    hidden: int
+    intermediate: int
+    num_experts: int
+    activation: int  # kernels.activations.ACTIVATION_CODES
+
+    def __call__(self, payload: int, dtype: int, rows: int, pairs: int, first: int, out: int) -> bool:
+        """PreparedExperts.forward_frame's contract; MemoryError when the kernel had no memory."""
+        status = self.function(payload, dtype, rows, self.hidden, pairs, first, self.intermediate, self.num_experts,
+                               self.w13t, self.w2t, self.activation, out)  # fmt: skip
+        if status == -2:
+            raise MemoryError("no memory for a request's scratch buffers in its frame kernel")
+        return status == 0
+
+
 class PreparedExperts(ABC):
     """One layer's experts, repacked for a backend and resident on its device."""
 
@@ -66,7 +91,12 @@ class PreparedExperts(ABC):
         `out`, with the bits __call__ gives; `first`: the global id of this set's expert 0. False,
         computing nothing, for a request it does not take (none, by default): the worker then
         decodes the frame into tensors, checks them and calls the experts."""
-        return False
+        kernel = self.frame_kernel()
+        return kernel is not None and kernel(payload, dtype, rows, pairs, first, out)
+
+    def frame_kernel(self) -> FrameKernel | None:
+        """The C function behind forward_frame, for a caller in C; None (the default): there is none."""
+        return None
 
 
 class ExpertBackend(ABC):

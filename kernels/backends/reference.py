@@ -8,7 +8,7 @@ import torch
 
 from kernels import native_build
 from kernels.activations import ACTIVATION_CODES
-from kernels.backends.base import ExpertBackend, PreparedExperts, Support
+from kernels.backends.base import ExpertBackend, FrameKernel, PreparedExperts, Support
 from kernels.quant import QuantScheme, W4A16ExpertWeights
 from kernels.reference import DenseExpertWeights, moe_experts_w4a16_reference, moe_sum
 
@@ -42,11 +42,6 @@ def _host_kernel() -> ctypes.CDLL:
     return native_build.load_host(native_build.build_host())
 
 
-def _no_memory_is_an_error(status: int) -> None:
-    if status == -2:
-        raise MemoryError("dense_experts.c: no memory for a request's scratch buffers")
-
-
 class DenseReference(PreparedExperts):
     """16-bit experts served unquantized: the oracle's float32 math (moe_experts_reference), with
     the weights converted to float32 once instead of per call.
@@ -66,10 +61,14 @@ class DenseReference(PreparedExperts):
         self.w2t = [w.float().t().contiguous() for w in weights.w2]  # E x [I, H]
         self.intermediate = self.w2t[0].shape[0] if self.w2t else 0
         self._lib = _host_kernel() if weights.w13.device.type == "cpu" else None
+        self._frame_kernel = None
         if self._lib is not None:
             self._w13t_ptrs = (ctypes.c_void_p * self.num_experts)(*(w.data_ptr() for w in self.w13t))
             self._w2t_ptrs = (ctypes.c_void_p * self.num_experts)(*(w.data_ptr() for w in self.w2t))
             self._act_code = ACTIVATION_CODES[activation]
+            self._frame_kernel = FrameKernel(self._lib.hm_dense_frame, ctypes.addressof(self._w13t_ptrs),
+                                             ctypes.addressof(self._w2t_ptrs), self.hidden_size, self.intermediate,
+                                             self.num_experts, self._act_code)  # fmt: skip
 
     def __call__(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
         if hidden.device.type != "cpu":
@@ -83,17 +82,13 @@ class DenseReference(PreparedExperts):
                                             self.num_experts, self._w13t_ptrs, self._w2t_ptrs, self._act_code,
                                             rows.data_ptr(), experts.data_ptr(), weights.data_ptr(), rows.shape[0],
                                             out.data_ptr())  # fmt: skip
-        _no_memory_is_an_error(status)
+        if status == -2:
+            raise MemoryError("dense_experts.c: no memory for a request's scratch buffers")
         if status != 0:  # the caller validated the pairs (LocalExperts.make_batch)
             raise ValueError(f"a pair names a row outside [0, {x.shape[0]}) or an expert outside "
                              f"[0, {self.num_experts})")
         return out
 
-    def forward_frame(self, payload: int, dtype: int, rows: int, pairs: int, first: int, out: int) -> bool:
-        """On the CPU (hm_dense_frame: __call__'s kernel, which checks the pairs itself)."""
-        if self._lib is None:
-            return False
-        status = self._lib.hm_dense_frame(payload, dtype, rows, self.hidden_size, pairs, first, self.intermediate,
-                                          self.num_experts, self._w13t_ptrs, self._w2t_ptrs, self._act_code, out)
-        _no_memory_is_an_error(status)
-        return status == 0
+    def frame_kernel(self) -> FrameKernel | None:
+        """hm_dense_frame on the CPU: __call__'s kernel, which checks the pairs itself."""
+        return self._frame_kernel
