@@ -94,8 +94,8 @@ def _entry(kernel: FrameKernel | None) -> _Set:
 class Connection:
     """One shared-memory connection as the loop serves it: the segments it may write replies into."""
 
-    def __init__(self, fd: int, tables: FrameTables, counts: Counts):
-        self.fd, self.tables, self.counts = fd, tables, counts
+    def __init__(self, fd: int, tables: FrameTables, counts: Counts, hand_back: bool = False):
+        self.fd, self.tables, self.counts, self.hand_back = fd, tables, counts, hand_back
         self.state = _Connection(fd=-1)
         self._anchors: dict[int, ctypes.Array] = {}  # per slot: the segment's bytes, as the C side sees them
 
@@ -114,14 +114,15 @@ class Connection:
             self.state.base[slot] = None
         self._anchors.clear()
 
-    def serve(self) -> tuple[bytes, list[int]] | None:
+    def serve(self) -> tuple[bytes, list[int], bool] | None:
         """Serves common frames until a message is Python's: (its bytes, a descriptor that came with
-        it), or None when the peer closed the connection. Raises OSError when the socket fails."""
+        it, False); with hand_back, until a reply is ready: (its header, [], True), for the caller
+        to send. None when the peer closed the connection; OSError when the socket fails."""
         status = library().hm_shm_serve(self.fd, self.tables.handle, ctypes.byref(self.counts),
-                                        ctypes.byref(self.state))  # fmt: skip
+                                        ctypes.byref(self.state), self.hand_back)  # fmt: skip
         if status < 0:
             raise OSError(-status, os.strerror(-status))
         if status == 0:
             return None
         state = self.state
-        return bytes(state.message[: state.length]), ([state.fd] if state.fd >= 0 else [])
+        return bytes(state.message[: state.length]), ([state.fd] if state.fd >= 0 else []), status == 2

@@ -136,7 +136,7 @@ def load_host(library: Path) -> ctypes.CDLL:
     lib.hm_tables_set.argtypes = [pointer, pointer, size]
     lib.hm_tables_free.argtypes = [pointer]
     lib.hm_shm_serve.restype = code
-    lib.hm_shm_serve.argtypes = [code, pointer, pointer, pointer]
+    lib.hm_shm_serve.argtypes = [code, pointer, pointer, pointer, code]
     return lib
 
 

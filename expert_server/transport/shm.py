@@ -44,17 +44,21 @@ class ShmPlane(Plane):
         conn.settimeout(None)
         segments: dict[int, mmap.mmap] = {}  # per slot; unmapped when dropped
         # The common frame is answered by the C loop (native.py) when a held set computes frames
-        # in C; every other message comes back here. Not under a benchmark's reply delay.
+        # in C; every other message comes back here, and so do its replies under a reply delay.
         frames = self.handler.experts.frames
-        loop = Connection(conn.fileno(), frames, metrics.NATIVE) if frames and not delay.config else None
+        loop = Connection(conn.fileno(), frames, metrics.NATIVE, hand_back=bool(delay.config)) if frames else None
         try:
             while True:
                 if loop is None:
                     message, fds, _, _ = socket.recv_fds(conn, HEADER.size, 1)
+                    answered = False
                 else:
-                    message, fds = loop.serve() or (b"", [])
+                    message, fds, answered = loop.serve() or (b"", [], False)
                 if not message:
                     return
+                if answered:
+                    delay.send(lambda message=message: conn.send(message), Header.unpack(message).rows)
+                    continue
                 try:
                     header = Header.unpack(message)
                     header.check_payload()

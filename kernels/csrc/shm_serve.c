@@ -150,8 +150,10 @@ static int compute(hm_tables *t, hm_conn *conn, const header *h, uint64_t *compu
 }
 
 /* Serves frames on `fd` until one is Python's (returns 1: conn->message, length, fd), the peer
- * closes the connection (0) or the socket fails (-errno). */
-int hm_shm_serve(int fd, hm_tables *t, hm_counts *counts, hm_conn *conn) {
+ * closes the connection (0) or the socket fails (-errno). With `hand_back`, a reply is not sent
+ * but returned (2: conn->message holds its header) for the caller to send later (a benchmark's
+ * reply delay, expert_server/transport/base.py). */
+int hm_shm_serve(int fd, hm_tables *t, hm_counts *counts, hm_conn *conn, int hand_back) {
     union {
         struct cmsghdr align;
         char space[CMSG_SPACE(sizeof(int))];
@@ -187,6 +189,11 @@ int hm_shm_serve(int fd, hm_tables *t, hm_counts *counts, hm_conn *conn) {
         count(&counts->rows, h.rows);
         count(&counts->pairs, h.pairs);
         observe(counts, now_ns() - start);
+        if (hand_back) {
+            memcpy(conn->message, &reply, sizeof reply);
+            conn->length = sizeof reply;
+            return 2;
+        }
         while (send(fd, &reply, sizeof reply, MSG_NOSIGNAL) < 0)
             if (errno != EINTR) return -errno;
     }
