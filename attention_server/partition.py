@@ -2,9 +2,8 @@
 (protos/placement.py); the transport sends each shard's slice to one of its replicas. An expert
 that re-placement split over several shards (attention_server/replace.py) deals its pairs over them.
 
-Runs on the host for every MoE layer of every step, so it works on numpy views of the routing
-(a few microseconds per operation, where torch's dispatch costs several times that at decode
-sizes) and hands out torch views of the result.
+Runs on the host for every MoE layer of every step: a few numpy calls on the routing and one C
+call group the pairs, and the slices are torch views of the result.
 """
 from __future__ import annotations
 
@@ -12,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from kernels import native_build
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,86 +87,41 @@ class Split:
         self.turns[grouped[starts]] += counts
 
 
-# Up to this many pairs (decode: a few tokens times top-k) one pass in plain Python over the pairs
-# beats the numpy pass below, whose two dozen calls cost a few microseconds each however small
-# the arrays: on the development machine 56 against 143 us for one token, top-4 over 8 shards,
-# 132 against 183 us for 16 tokens.
-SMALL_PAIRS = 64
-
-
 def partition(topk_ids: torch.Tensor, topk_weights: torch.Tensor, shards: np.ndarray,
               split: Split | None = None) -> DispatchPlan:  # fmt: skip
     """topk_ids, topk_weights: [T, k]; shards: [E] int64, the shard of each expert; split: the
-    experts dealt over several shards instead."""
+    experts dealt over several shards instead. The grouping is one call of the host library
+    (kernels/csrc/stages.c, hm_partition); each slice's rows and pair block are views of its output."""
     num_tokens, k = topk_ids.shape
-    if split is None and num_tokens * k <= SMALL_PAIRS:
-        return _partition_small(topk_ids, topk_weights, shards)
-    return _partition_arrays(topk_ids, topk_weights, shards, split)
-
-
-def _partition_arrays(topk_ids: torch.Tensor, topk_weights: torch.Tensor, shards: np.ndarray,
-                      split: Split | None) -> DispatchPlan:  # fmt: skip
-    """partition() in numpy calls, whose number does not grow with the pairs."""
-    num_tokens, k = topk_ids.shape
-    ids = topk_ids.reshape(-1).cpu().numpy().astype(np.int32, copy=False)  # [P = T*k]
-    weights = topk_weights.reshape(-1).float().cpu().numpy()  # [P]
-    pair_shards = shards[ids]  # [P]
+    ids = topk_ids.reshape(-1).to("cpu", torch.int32).contiguous()  # [P = T*k], token-major
+    weights = topk_weights.reshape(-1).to("cpu", torch.float32).contiguous()  # [P]
+    num_pairs, num_experts = ids.shape[0], len(shards)
+    shards = np.ascontiguousarray(shards, dtype=np.int64)
+    pair_shards = None
     if split is not None:
-        split.deal(ids, pair_shards)
-    order = np.argsort(pair_shards, kind="stable")  # pairs grouped by shard, token order kept in each
-    sorted_ids = ids[order]
-    owners = pair_shards[order]  # [P] ascending
-    tokens = order // k  # [P] token of each pair
-    new_shard = np.empty(len(order), dtype=bool)  # first pair of a shard
-    new_shard[0] = True
-    np.not_equal(owners[1:], owners[:-1], out=new_shard[1:])
-    new_row = new_shard.copy()  # first pair of a (shard, token)
-    new_row[1:] |= tokens[1:] != tokens[:-1]
-    row_number = np.cumsum(new_row) - 1  # [P] global row count; less its shard's first, its row index
-    starts = np.flatnonzero(new_shard)
-    row_starts = row_number[starts]
-    pairs = np.empty((3, len(order)), dtype=np.int32)
-    pairs[0] = row_number - row_starts[np.cumsum(new_shard) - 1]
-    pairs[1] = sorted_ids
-    pairs[2] = weights[order].view(np.int32)
-    rows = tokens[new_row]  # [sum of T_s] each shard's rows, back to back
-    bounds, row_bounds = [*starts.tolist(), len(order)], [*row_starts.tolist(), len(rows)]
-    return _plan(num_tokens, owners[starts].tolist(), rows, row_bounds, pairs, bounds,
-                 np.bincount(ids, minlength=len(shards)))  # fmt: skip
-
-
-def _partition_small(topk_ids: torch.Tensor, topk_weights: torch.Tensor, shards: np.ndarray) -> DispatchPlan:
-    """partition() without a split, pair by pair in Python: the same plan, bit for bit."""
-    num_tokens, k = topk_ids.shape
-    ids = topk_ids.reshape(-1).tolist()  # [P] in token order
-    bits = topk_weights.reshape(-1).float().cpu().view(torch.int32).tolist()  # the weights' float32 bits
-    shard_of = shards.tolist()
-    by_shard: dict[int, list[int]] = {}
-    for p, expert in enumerate(ids):
-        by_shard.setdefault(shard_of[expert], []).append(p)
-    owners = sorted(by_shard)
-    row_of_pair, sorted_ids, sorted_bits, rows, bounds, row_bounds = [], [], [], [], [0], [0]
-    for shard in owners:
-        first_row = len(rows)
-        for p in by_shard[shard]:  # token order
-            if len(rows) == first_row or rows[-1] != p // k:
-                rows.append(p // k)
-            row_of_pair.append(len(rows) - 1 - first_row)
-            sorted_ids.append(ids[p])
-            sorted_bits.append(bits[p])
-        bounds.append(len(sorted_ids))
-        row_bounds.append(len(rows))
-    pairs = np.array([row_of_pair, sorted_ids, sorted_bits], dtype=np.int32)
-    return _plan(num_tokens, owners, np.array(rows, dtype=np.int64), row_bounds, pairs, bounds,
-                 np.bincount(np.array(ids, dtype=np.int64), minlength=len(shards)))  # fmt: skip
-
-
-def _plan(num_tokens: int, owners: list[int], rows: np.ndarray, row_bounds: list[int], pairs: np.ndarray,
-          bounds: list[int], expert_pairs: np.ndarray) -> DispatchPlan:  # fmt: skip
-    """Shard owners[i]'s slice: rows[row_bounds[i]:row_bounds[i + 1]] and pairs[:, bounds[i]:bounds[i + 1]]."""
+        ids_array = ids.numpy()
+        pair_shards = shards[ids_array]
+        split.deal(ids_array, pair_shards)
+    num_shards = int(shards.max() if pair_shards is None else pair_shards.max(initial=0)) + 1
+    # One buffer for the int64 results: rows [P], bounds and row_bounds [S + 1] each, expert_pairs [E].
+    out = np.empty(num_pairs + 2 * (num_shards + 1) + num_experts, dtype=np.int64)
+    rows, bounds = out[:num_pairs], out[num_pairs : num_pairs + num_shards + 1]
+    row_bounds, expert_pairs = out[num_pairs + num_shards + 1 : -num_experts], out[-num_experts:]
+    blocks = np.empty(3 * num_pairs, dtype=np.int32)
+    status = native_build.host_library().hm_partition(
+        ids.data_ptr(), weights.data_ptr(), num_pairs, k, _address(shards), num_experts,
+        None if pair_shards is None else _address(pair_shards), num_shards, _address(rows), _address(blocks),
+        _address(bounds), _address(row_bounds), _address(expert_pairs))  # fmt: skip
+    if status != 0:
+        raise ValueError(f"a routed expert id outside [0, {num_experts}) or a shard outside [0, {num_shards})")
+    bounds, row_bounds = bounds.tolist(), row_bounds.tolist()
     slices = tuple(
-        ShardSlice(shard, torch.from_numpy(rows[row_bounds[i] : row_bounds[i + 1]]),
-                   torch.from_numpy(pairs[:, bounds[i] : bounds[i + 1]].copy()))  # fmt: skip
-        for i, shard in enumerate(owners)
+        ShardSlice(shard, torch.from_numpy(rows[row_bounds[shard] : row_bounds[shard + 1]]),
+                   torch.from_numpy(blocks[3 * bounds[shard] : 3 * bounds[shard + 1]].reshape(3, -1)))  # fmt: skip
+        for shard in range(num_shards) if bounds[shard + 1] > bounds[shard]
     )
-    return DispatchPlan(num_tokens=num_tokens, slices=slices, expert_pairs=expert_pairs)
+    return DispatchPlan(num_tokens, slices, expert_pairs)
+
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]

@@ -8,7 +8,6 @@ file's, field for field.
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import weakref
 from collections.abc import Mapping, Sequence
@@ -46,11 +45,6 @@ class _Connection(ctypes.Structure):
                 ("message", ctypes.c_ubyte * HEADER.size), ("length", ctypes.c_int64), ("fd", ctypes.c_int64)]  # fmt: skip
 
 
-@functools.cache
-def library() -> ctypes.CDLL:
-    return native_build.load_host(native_build.build_host())
-
-
 def new_counts(bounds: Sequence[float]) -> Counts:
     """Counters for a histogram with these finite upper bounds."""
     assert len(bounds) < MAX_BUCKETS, bounds
@@ -64,7 +58,7 @@ class FrameTables:
     lock, so a computation in C always sees one whole table; what it replaces is freed after."""
 
     def __init__(self, hidden: int, num_experts: int):
-        lib = library()
+        lib = native_build.host_library()
         self.handle = lib.hm_tables_new(hidden, num_experts)
         if not self.handle:
             raise MemoryError("no memory for the shared-memory loop's tables")
@@ -80,7 +74,7 @@ class FrameTables:
             set_of, offset = np.ascontiguousarray(set_of, np.int64), np.ascontiguousarray(offset, np.int64)
             layers[layer] = _Layer(set_of.ctypes.data, offset.ctypes.data, ctypes.addressof(entries))
             held += [entries, set_of, offset]
-        library().hm_tables_set(self.handle, ctypes.addressof(layers), len(layers))
+        native_build.host_library().hm_tables_set(self.handle, ctypes.addressof(layers), len(layers))
         self._held = tuple(held)
 
 
@@ -118,7 +112,7 @@ class Connection:
         """Serves common frames until a message is Python's: (its bytes, a descriptor that came with
         it, False); with hand_back, until a reply is ready: (its header, [], True), for the caller
         to send. None when the peer closed the connection; OSError when the socket fails."""
-        status = library().hm_shm_serve(self.fd, self.tables.handle, ctypes.byref(self.counts),
+        status = native_build.host_library().hm_shm_serve(self.fd, self.tables.handle, ctypes.byref(self.counts),
                                         ctypes.byref(self.state), self.hand_back)  # fmt: skip
         if status < 0:
             raise OSError(-status, os.strerror(-status))

@@ -8,6 +8,7 @@ and the failure at launch is an opaque 'invalid device function').
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -22,8 +23,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "w4a16_fdot2.cu"
-# The host library: the dense experts' kernel, and the shared-memory plane's serving loop that calls it.
-HOST_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("dense_experts.c", "shm_serve.c"))
+# The host library: the dense experts' kernel and the shared-memory plane's serving loop that calls
+# it (workers), and the partition and combine stages (the attention node).
+HOST_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("dense_experts.c", "shm_serve.c", "stages.c"))
 # For this CPU's vector units, and no floating-point contraction: a multiply and an add stay two
 # rounded operations, so the kernel's bits do not depend on what the compiler fuses.
 HOST_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
@@ -114,7 +116,8 @@ def build_host(cache_dir: Path = DEFAULT_CACHE) -> Path:
     if tool is None:
         raise KernelBuildError(f"no C compiler (cc or gcc) found to build {names}: install gcc")
     cpu = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("model name", "flags"))]
-    sources = b"".join(source.read_bytes() for source in HOST_SOURCES)
+    headers = sorted(HOST_SOURCES[0].parent.glob("*.h"))
+    sources = b"".join(source.read_bytes() for source in (*HOST_SOURCES, *headers))
     key = hashlib.sha256(sources + repr((tool, HOST_FLAGS, cpu[:2])).encode()).hexdigest()[:16]
     library = cache_dir / f"hetero_moe_host_{key}.so"
     _compile_once(library, lambda partial: [tool, *HOST_FLAGS, "-o", str(partial), *map(str, HOST_SOURCES), "-lm",
@@ -137,7 +140,21 @@ def load_host(library: Path) -> ctypes.CDLL:
     lib.hm_tables_free.argtypes = [pointer]
     lib.hm_shm_serve.restype = code
     lib.hm_shm_serve.argtypes = [code, pointer, pointer, pointer, code]
+    lib.hm_partition.restype = lib.hm_combine.restype = code
+    lib.hm_partition.argtypes = [pointer, pointer, size, size, pointer, size, pointer, size, pointer, pointer, pointer,
+                                 pointer, pointer]
+    lib.hm_combine.argtypes = [pointer, size, size, size, pointer, pointer, pointer]
+    lib.hm_shm_send_forward.restype = code
+    lib.hm_shm_send_forward.argtypes = [code, pointer, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32,
+                                        ctypes.c_uint32, pointer, size, size, ctypes.c_uint32, ctypes.c_uint16, pointer,
+                                        size, pointer, size]  # fmt: skip
     return lib
+
+
+@functools.cache
+def host_library() -> ctypes.CDLL:
+    """This process's host library, built at first use (build_host) and typed (load_host)."""
+    return load_host(build_host())
 
 
 def check_arch(kernel: KernelBuild, device: torch.device) -> None:

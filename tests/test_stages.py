@@ -12,7 +12,7 @@ import torch
 from attention_server.combine import combine
 from attention_server.transport.base import ExpertTransport
 from attention_server.transport.grpc_stream import GrpcStreamChannel
-from attention_server.partition import SMALL_PAIRS, DispatchPlan, _partition_arrays, _partition_small, partition
+from attention_server.partition import DispatchPlan, Split, partition
 from kernels.reference import DenseExpertWeights, moe_experts_reference
 from protos import frames
 from protos.placement import Placement
@@ -51,29 +51,61 @@ def test_partition_sends_each_pair_to_its_owner_once():
     assert plan.expert_pairs.tolist() == torch.bincount(ids.flatten().long(), minlength=E).tolist()
 
 
-def test_small_partition_is_the_array_partition_bit_for_bit():
-    """Decode-sized routings take a pass in plain Python; it must build the numpy pass's plan: the
-    same slices, rows, pair blocks (the weights' bits included) and per-expert counts."""
+def plain_partition(ids: torch.Tensor, weights: torch.Tensor, pair_shards: list[int]) -> dict:
+    """The plan, pair by pair in plain Python: {shard: (rows, [3, P_s] pair block)}."""
+    k = ids.shape[1]
+    bits = weights.float().reshape(-1).view(torch.int32).tolist()
+    plan: dict[int, tuple[list, list]] = {}
+    for p, expert in enumerate(ids.reshape(-1).tolist()):
+        rows, block = plan.setdefault(pair_shards[p], ([], [[], [], []]))
+        if not rows or rows[-1] != p // k:
+            rows.append(p // k)
+        for column, value in zip(block, (len(rows) - 1, expert, bits[p])):
+            column.append(value)
+    return dict(sorted(plan.items()))
+
+
+def test_partition_is_the_plain_pair_by_pair_grouping_bit_for_bit():
+    """The C grouping (hm_partition) builds, for decode and prefill sizes, with and without a split
+    expert, the plan a loop over the pairs builds: the same slices, rows, pair blocks (the weights'
+    bits included) and per-expert counts."""
     g = torch.Generator().manual_seed(5)
-    for num_tokens, k, num_shards in [(1, 4, 8), (1, 8, 8), (2, 4, 3), (5, 2, 16), (16, 4, 8), (8, 8, 1)]:
-        assert num_tokens * k <= SMALL_PAIRS
+    for num_tokens, k, num_shards in [(1, 4, 8), (1, 8, 8), (2, 4, 3), (5, 2, 16), (16, 4, 8), (8, 8, 1), (300, 4, 8)]:
         ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(num_tokens)]).to(torch.int32)
         weights = torch.rand(num_tokens, k, generator=g, dtype=torch.float32)
         shards = Placement(E, num_shards).shard_table()
-        small, arrays = _partition_small(ids, weights, shards), _partition_arrays(ids, weights, shards, None)
-        assert small.num_tokens == arrays.num_tokens == num_tokens
-        assert [s.shard for s in small.slices] == [s.shard for s in arrays.slices]
-        for a, b in zip(small.slices, arrays.slices):
-            assert a.rows.dtype == b.rows.dtype == torch.int64 and torch.equal(a.rows, b.rows)
-            assert a.pairs.dtype == b.pairs.dtype == torch.int32 and torch.equal(a.pairs, b.pairs)
-            assert a.pairs.is_contiguous()
-        assert small.expert_pairs.dtype == arrays.expert_pairs.dtype and np.array_equal(small.expert_pairs, arrays.expert_pairs)
+        splits = [None]
+        if num_shards > 1:  # expert 0 dealt over shards 0 and 1 in turn
+            slots = np.repeat(shards[:, None], 2, axis=1)
+            slots[0] = [0, 1]
+            splits.append(Split(slots, np.arange(E) == 0, np.zeros(E, dtype=np.int64)))
+        for split in splits:
+            plan = partition(ids, weights, shards, split)
+            turn, pair_shards = 0, []
+            for expert in ids.reshape(-1).tolist():
+                if split is not None and expert == 0:
+                    pair_shards.append(turn % 2)
+                    turn += 1
+                else:
+                    pair_shards.append(int(shards[expert]))
+            want = plain_partition(ids, weights, pair_shards)
+            assert plan.num_tokens == num_tokens and [s.shard for s in plan.slices] == list(want)
+            for part, (rows, block) in zip(plan.slices, want.values()):
+                assert part.rows.dtype == torch.int64 and part.rows.tolist() == rows
+                assert part.pairs.dtype == torch.int32 and part.pairs.is_contiguous() and part.pairs.tolist() == block
+            assert plan.expert_pairs.tolist() == torch.bincount(ids.reshape(-1).long(), minlength=E).tolist()
     # bf16 routing weights (as a bf16 model's router gives them) reach the wire as the same float32 bits
     ids, weights = routing(6, num_tokens=3)
     shards = Placement(E, W).shard_table()
     for a, b in zip(partition(ids, weights.to(torch.bfloat16), shards).slices,
-                    _partition_arrays(ids, weights.to(torch.bfloat16), shards, None).slices):  # fmt: skip
+                    partition(ids, weights.to(torch.bfloat16).float(), shards).slices):  # fmt: skip
         assert torch.equal(a.pairs, b.pairs)
+
+
+def test_a_routed_expert_out_of_range_is_a_named_error():
+    ids = torch.tensor([[0, E]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"routed expert id outside \\[0, {E}\\)"):
+        partition(ids, torch.full((1, 2), 0.5), Placement(E, W).shard_table())
 
 
 def test_idle_workers_get_no_slice():

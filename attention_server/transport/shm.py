@@ -7,6 +7,8 @@ Nothing has a name in /dev/shm or on disk, so a kill -9 of either side leaves no
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
 import socket
@@ -15,6 +17,7 @@ import torch
 
 from attention_server.partition import ShardSlice
 from attention_server.transport.base import Answer, Cause, ExpertWorkerError, OrderedChannel, kernel_deadlines
+from kernels import native_build
 from protos import codec, frames
 from protos.frames import HEADER, FrameError, Header, Kind
 from protos.security import Security
@@ -30,6 +33,7 @@ class ShmChannel(OrderedChannel):
         self.address = "\0" + address
         self.security = security
         self.segments: dict[int, mmap.mmap] = {}  # per slot
+        self.addresses: dict[int, ctypes.Array] = {}  # per slot: its segment's bytes, for the C writer
         self.sent: dict[int, tuple[int, int]] = {}  # request -> (slot, reply offset)
 
     def connect(self) -> socket.socket:
@@ -59,7 +63,9 @@ class ShmChannel(OrderedChannel):
         size = max(1 << 20, 1 << (size - 1).bit_length())
         fd = os.memfd_create(f"hetero-moe-w{self.worker}-slot{slot}", os.MFD_CLOEXEC)
         os.ftruncate(fd, size)
+        self.addresses.pop(slot, None)
         self.segments[slot] = segment = mmap.mmap(fd, size)
+        self.addresses[slot] = (ctypes.c_char * size).from_buffer(segment)
         return segment, fd
 
     def _submit(self, header: Header, slot: int, fill) -> int:
@@ -78,9 +84,26 @@ class ShmChannel(OrderedChannel):
         return header.request
 
     def send(self, layer: int, slot: int, x: torch.Tensor, part: ShardSlice) -> int:
-        header = frames.forward_header(self.next_request(), layer, slot, len(part.rows), x.shape[1], x.dtype,
+        header = frames.forward_header(self.next_request(), layer, slot, part.rows.shape[0], x.shape[1], x.dtype,
                                        part.num_pairs)  # fmt: skip
-        return self._submit(header, slot, lambda view: frames.write_forward(view, x, part.rows, part.pairs))
+        segment = self.segments.get(slot)
+        reply_at = frames.reply_offset(header.payload)
+        if segment is None or reply_at + frames.reply_size(header) > len(segment):  # a new segment: its fd goes along
+            return self._submit(header, slot, lambda view: frames.write_forward(view, x, part.rows, part.pairs))
+        # The worker maps this slot's segment already: the frame is written and announced in one C call,
+        # which reads x [T, H], rows [T_s] int64 and pairs [3, P_s] int32 as they lie in memory.
+        rows, pairs = part.rows.contiguous(), part.pairs.contiguous()
+        assert rows.dtype == torch.int64 and pairs.dtype == torch.int32 and x.is_contiguous(), "ShardSlice's types"
+        status = native_build.host_library().hm_shm_send_forward(
+            self.connected().fileno(), ctypes.addressof(self.addresses[slot]), len(segment), header.request, layer,
+            slot, x.data_ptr(), x.shape[0], x.shape[1] * x.element_size(), x.shape[1], header.dtype, rows.data_ptr(),
+            header.rows, pairs.data_ptr(), header.pairs)  # fmt: skip
+        if status == -errno.EINVAL:
+            raise ValueError(f"a slice's rows lie outside the layer input's {x.shape[0]} tokens")
+        if status != 0:
+            raise self.lost(f"send: {os.strerror(-status)}")
+        self.sent[header.request] = (slot, reply_at)
+        return header.request
 
     def send_echo(self, payload: memoryview) -> int:
         """A transport probe: the worker copies `payload` into the reply region."""
@@ -125,6 +148,7 @@ class ShmChannel(OrderedChannel):
         raise self.lost(f"unexpected {header.kind.name} frame", Cause.REFUSED)
 
     def close(self) -> None:
+        self.addresses.clear()
         self.segments.clear()  # unmapped as their last views go
         self.sent.clear()
         super().close()

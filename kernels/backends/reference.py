@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -37,11 +36,6 @@ class _Reference(PreparedExperts):
         )
 
 
-@functools.cache
-def _host_kernel() -> ctypes.CDLL:
-    return native_build.load_host(native_build.build_host())
-
-
 class DenseReference(PreparedExperts):
     """16-bit experts served unquantized: the oracle's float32 math (moe_experts_reference), with
     the weights converted to float32 once instead of per call.
@@ -60,7 +54,7 @@ class DenseReference(PreparedExperts):
         self.w13t = [w.float().t().contiguous() for w in weights.w13]  # E x [H, 2I]
         self.w2t = [w.float().t().contiguous() for w in weights.w2]  # E x [I, H]
         self.intermediate = self.w2t[0].shape[0] if self.w2t else 0
-        self._lib = _host_kernel() if weights.w13.device.type == "cpu" else None
+        self._lib = native_build.host_library() if weights.w13.device.type == "cpu" else None
         self._frame_kernel = None
         if self._lib is not None:
             self._w13t_ptrs = (ctypes.c_void_p * self.num_experts)(*(w.data_ptr() for w in self.w13t))

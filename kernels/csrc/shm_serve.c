@@ -21,12 +21,9 @@
 #include <sys/socket.h>
 #include <time.h>
 
-enum { HEADER_BYTES = 56, MAX_SLOTS = 64, MAX_BUCKETS = 32 };
-enum { KIND_FORWARD = 1, KIND_PARTIAL = 2 };
-enum { WIRE_FLOAT32 = 1, WIRE_FLOAT16 = 2, WIRE_BFLOAT16 = 3 }; /* protos/expert.proto DType */
-static const uint32_t MAGIC = 0x454F4D48u;
-static const uint16_t FRAME_VERSION = 2;
-static const int64_t PAIR_BYTES = 12;
+#include "frames.h"
+
+enum { MAX_SLOTS = 64, MAX_BUCKETS = 32 };
 
 /* A held set's frame kernel: hm_dense_frame's signature and return codes (dense_experts.c). */
 typedef int (*frame_kernel)(const void *payload, int dtype, int64_t T, int64_t H, int64_t P, int64_t first,
@@ -106,18 +103,6 @@ static void observe(hm_counts *c, uint64_t ns) {
     count(&c->buckets[b], 1);
     count(&c->seconds_ns, ns);
 }
-
-/* protos/frames.py's HEADER, byte for byte on this little-endian host. */
-typedef struct __attribute__((packed)) {
-    uint32_t magic;
-    uint16_t version, kind;
-    uint64_t request;
-    uint32_t layer, slot, rows, hidden, pairs;
-    uint16_t dtype, status;
-    uint64_t payload, compute_ns;
-} header;
-_Static_assert(sizeof(header) == HEADER_BYTES, "the frame header is 56 bytes");
-_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "frames are little-endian");
 
 /* Computes a common FORWARD frame into its reply's place; 0 when done, else the frame is Python's. */
 static int compute(hm_tables *t, hm_conn *conn, const header *h, uint64_t *compute_ns) {
