@@ -332,10 +332,10 @@ def decode_neighbours(cfg) -> list:
 
 def prefill_neighbours(cfg) -> list:
     """cfg and one step from it in each prefill direction: down tiles of 128 <-> 256 rows (on the launch's warps),
-    4 stages, 4 <-> 8 warps in down, no grouping of row blocks (group_m 1); below 128-row blocks also 4 <-> 8
-    warps in both and gate_up tiles twice as wide with 8 warps (at 128 rows, two 128 x 128 fp32 accumulators
-    already fill 8 warps' registers). Tiles narrower than the stored ones (64-row down tiles) would need the
-    weights packed again."""
+    4 stages, 4 <-> 8 warps in down, no grouping of row blocks (group_m 1), 1 <-> 2 column blocks per gate_up
+    program (tiles_gate_up); below 128-row blocks also 4 <-> 8 warps in both and gate_up tiles twice as wide with
+    8 warps (at 128 rows, two 128 x 128 fp32 accumulators already fill 8 warps' registers). Tiles narrower than the
+    stored ones (64-row down tiles) would need the weights packed again."""
     other_warps = 12 - cfg.num_warps  # 4 <-> 8
     configs = [
         cfg,
@@ -343,6 +343,7 @@ def prefill_neighbours(cfg) -> list:
         replace(cfg, num_stages=4),
         replace(cfg, num_warps_down=12 - (cfg.num_warps_down or cfg.num_warps)),
         replace(cfg, group_m=1),
+        replace(cfg, tiles_gate_up=1 if cfg.tiles_gate_up > 1 else 2),
     ]
     if cfg.block_m < 128:
         configs += [replace(cfg, num_warps=other_warps),

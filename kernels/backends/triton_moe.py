@@ -66,7 +66,25 @@ class TritonConfig:
     lookup). block_m_down, swap_ab_down, num_warps_down and num_stages_down default to block_m, swap_ab,
     num_warps and num_stages (for_down). split_k > 1 splits down's k-blocks into that many runs, each its own
     programs and its own [P, H] slice of the pair rows, which the combine adds in split order (more programs
-    in flight for few large experts; still no atomics).
+    in flight for few large experts; still no atomics). tiles_gate_up > 1 (row-block grid): a gate_up program
+    takes that many adjacent column blocks of its rows in one loop over (column block, k-block), each block's
+    epilogue inside it, so its pipeline runs on across blocks; it also compiles to fewer registers
+    (kernels/triton_w4a16.py: 155 against 213 per thread for 64 x 64 swapped tiles on 4 warps, sm_90a, Triton 3.9);
+    where it does not divide the column blocks, 1.
+    tiles_gate_up, H200, 2026-12-04, graph us of the whole layer, best of three interleaved rounds (four runs):
+    Qwen3 at M = 64 2 tiles 264.3 / 262.8 / 265.0 / 259.0 against 272.3 / 272.6 / 270.5 / 267.0 (3 tiles 267.1, 4
+    263.7 / 258.7, 6 319.0; 2 tiles with 4 stages 300.2, with 128 columns on 8 warps 288.0); not taken elsewhere:
+    Qwen3 at M = 8 / 16 2 tiles 105.3 / 112.6 against 95.4 / 112.0, at M = 256 / 1024 2 / 3 tiles 839.9 / 812.9 and
+    3142.2 / 3053.1 against 794.9 / 2972.4; Mixtral at M = 64 527.4 against 430.3. The same loop at one tile (no
+    other change) was slower from M = 64 (Qwen3 276.5 / 466.5 / 849.7 / 3195.7 against 270.5 / 438.5 / 796.1 /
+    2949.8 at M = 64 / 128 / 256 / 1024, Mixtral 506.4 / 1382.9 against 430.3 / 1248.0 at 64 / 256); below, Qwen3
+    within 0.5 us, Mixtral 197.0 / 221.4 against 196.9 / 223.6 at M = 1 / 16. Down's k-loop over 2 / 4 column
+    blocks the same way spilled (Triton 3.9, sm_90a: 255 registers, 352 bytes of stack at 128 x 128 on 4 warps):
+    Qwen3 281.8 / 280.0 at M = 64, 947.8 / 939.0 at 256, 3560.9 / 3535.8 at 1024, against 272.3 / 794.9 / 2972.4
+    (4 blocks on 2 stages 835.0 / 3074.3 at 256 / 1024; on 64-column down tiles 845.3 / 3157.6; at M = 16, 2 blocks
+    125.7 against 112.0). Nor taken above M = 64: gate_up on 64-row blocks of 64 columns, 2 tiles, on 4 warps, down
+    unchanged, 485.5 / 901.6 / 3435.9 against 438.5 / 796.1 / 2949.8 at M = 128 / 256 / 1024; down on 64-column
+    tiles (4 warps, 180 registers, no spills on Triton 3.9) 480.4 / 872.9 / 3283.1.
     dependent_launch: programmatic dependent launch (kernels/triton_w4a16.py) where the GPU has it: H200, graph
     us of the whole layer without / with it (2026-12-02, one run), Qwen3 at M = 1 / 2 / 4 / 8 / 16 109.1 /
     111.1 / 114.2 / 122.4 / 133.5 -> 106.1 / 108.8 / 111.7 / 120.2 / 133.1, Mixtral at M = 1 / 4 / 8 / 16
@@ -79,7 +97,13 @@ class TritonConfig:
     2026-12-04, Qwen3 at M = 1 before it: gate_up 62.5 us with the SMs active 84% of it, down 34.0 us, 84%; 89% /
     87% at M = 8, 96% at M = 64; DRAM at 3.47 / 3.24 TB/s over the kernels, about 4.1 / 3.9 while active).
     The combine waiting likewise for its row's pairs alone (per-pair counters from down), not for all of down,
-    was measured and not kept. H200, 2026-12-04, one run, graph us of the whole layer, best of three interleaved
+    was measured and not kept; nor was the combine done inside down (2026-12-04, one run, graph us, best of three
+    interleaved rounds): each down program counted its stored rows per (row, column block) in integer counters
+    (acq_rel), and the program that stored a row's last pair summed its pairs in (split, pair) order (bitwise the
+    combine's sums on Qwen3), but down slowed more than the combine launch cost: Qwen3 at M = 1 / 8 / 16 / 64 /
+    256 / 1024 86.0 / 96.0 / 113.4 / 272.6 / 794.9 / 2947.1 -> 89.9 / 99.0 / 118.4 / 315.7 / 959.9 / 3518.6 (down
+    alone 284 -> 525 at M = 256), Mixtral at M = 1 / 16 / 64 / 1024 196.3 / 224.9 / 429.4 / 4831.4 -> 197.8 /
+    225.4 / 439.3 / 5175.0. H200, 2026-12-04, one run, graph us of the whole layer, best of three interleaved
     rounds, neither / wait_per_expert / both ("skewed": bench-kernel's even rows, experts drawn by lognormal
     popularity, sigma 0.7): Qwen3 at M = 1 / 4 / 8 / 16 97.5 / 100.8 / 104.6 / 115.5 -> 86.1 / 90.7 / 96.2 / 112.2
     / 85.6 / 89.9 / 94.3 / 112.0, skewed at M = 1 / 8 63.0 / 122.1 -> 58.9 / 115.0 / 58.5 / 114.1; at M = 64 / 256
@@ -132,6 +156,7 @@ class TritonConfig:
     wait_per_expert: bool = True
     split_k: int = 1
     dependent_launch: bool = True  # CUDA sm_90+ only: gate_up, down and combine start under the launch before
+    tiles_gate_up: int = 1
 
     def __post_init__(self) -> None:
         if self.split_k < 1:
@@ -147,6 +172,8 @@ class TritonConfig:
                 raise ValueError(f"block_n {block} must be a power-of-two multiple of its tile {tile} (>= 16)")
         if self.group_m < 1:
             raise ValueError(f"group_m must be >= 1, not {self.group_m}")
+        if self.tiles_gate_up > 1 and self.expert_grid:
+            raise ValueError("tiles_gate_up > 1 needs the row-block grid")
 
     def for_down(self) -> TritonConfig:
         """The configuration down launches with: block_m, swap_ab, num_warps and num_stages as down takes them."""
@@ -214,7 +241,8 @@ class TritonConfig:
         expert's rows with the same padding, and 128 is faster: Mixtral 695 against 847 us at M =
         128, Qwen3 517 against 540; 1452/1729 and 954/1009 at 256); 64 rows up to 64 (128 rows:
         700 against 433 us, 667 against 521). At 64 rows, few large experts take gate_up tiles of
-        128 columns with 8 warps (433 against 518 us), many small ones 64 with 4 (521 against 531).
+        128 columns with 8 warps (433 against 518 us), many small ones 64 with 4 (521 against 531), two
+        column blocks per gate_up program since 2026-12-04 (tiles_gate_up, figures in the class docstring).
         Down's column blocks from M = 48 (2026-12-03 afternoon, H200, three interleaved rounds, graph us of down
         alone and of the whole layer): many small experts above M = 64 take 128 columns on 4 warps (down 162 /
         306 / 1148-1211 -> 150 / 281 / 1056-1086 at M = 128 / 256 / 1024, layer 439-441 / 810-812 / 2988-3040 ->
@@ -254,7 +282,7 @@ class TritonConfig:
             return cls(block_m=128, block_n_gate_up=128, num_warps=8, num_warps_down=4, swap_ab=True, scale_weights=True)
         if few:
             return cls(block_m=64, block_n_gate_up=128, block_n_down=256, num_warps=8, swap_ab=True, scale_weights=True)
-        return cls(block_m=64, swap_ab=True, scale_weights=True)
+        return cls(block_m=64, swap_ab=True, scale_weights=True, tiles_gate_up=2)
 
 
 class TritonBackend(ExpertBackend):
@@ -387,25 +415,30 @@ class TritonExperts(PreparedExperts):
             )
             return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds, ready)
         row_bits = max(1, (num_rows - 1).bit_length())
-        digits = max(2, _next_pow2(e), 1 << (row_bits if row_bits <= WHOLE_ROW_BITS else RADIX_BITS))
-        block_p, blocks = self._blocks(p, digits)
-        counts = torch.empty(2, 1 + digits * blocks, dtype=torch.int32, device=dev)
+        expert_digits = max(2, _next_pow2(e))
+        row_digits = max(2, 1 << (row_bits if row_bits <= WHOLE_ROW_BITS else RADIX_BITS))
+        block_p, blocks = self._blocks(p, max(expert_digits, row_digits))
+        counts = torch.empty(2, 1 + max(expert_digits, row_digits) * blocks, dtype=torch.int32, device=dev)
         self.kernels.route_count_kernel[(blocks,)](
-            pair_experts, pair_rows, p, counts, counts.stride(0), blocks, ready, e, BLOCK_P=block_p, NUM_DIGITS=digits,
-            READY_BLOCK=READY_BLOCK,
+            pair_experts, pair_rows, p, counts, counts.stride(0), blocks, ready, e, BLOCK_P=block_p,
+            EXPERT_DIGITS=expert_digits, NUM_DIGITS=row_digits, READY_BLOCK=READY_BLOCK,
         )
-        # Integer cumsums (the same sums in any order), a 1-D scan per order: torch's scan along the rows of the
-        # [2, N] tensor took 330 us against 11 for two 1-D scans at N = 262145 (Qwen3, M = 1024; H200, 2026-12-03).
+        # Integer cumsums (the same sums in any order), a 1-D scan per order over its own digits' counts: torch's scan
+        # along the rows of the [2, N] tensor took 330 us against 11 for two 1-D scans at N = 262145 (Qwen3, M = 1024;
+        # H200, 2026-12-03). The experts count and scan their own digits, not the rows' (H200, 2026-12-04, graph us of
+        # the routing alone, best of three interleaved rounds, Qwen3 at M = 64 / 128 / 256 / 1024: 25.9 / 36.7 / 40.1 /
+        # 78.1 -> 19.9 / 35.6 / 39.2 / 73.6, the layer at M = 64 272.2 -> 267.0; Mixtral at M = 256 / 1024 10.4 /
+        # 34.7 -> 10.5 / 32.6).
         starts = torch.empty_like(counts)
-        for order in range(2):
-            torch.cumsum(counts[order], 0, dtype=torch.int32, out=starts[order])
+        for order, used in enumerate((1 + expert_digits * blocks, 1 + row_digits * blocks)):
+            torch.cumsum(counts[order, :used], 0, dtype=torch.int32, out=starts[order, :used])
         self.kernels.route_scatter_kernel[(blocks,)](
             pair_experts, pair_rows, pair_weights, p, starts, starts.stride(0), blocks,
-            rows, router, pairs, crows, cpairs, BLOCK_P=block_p, BLOCK_C=ROUTE_COMPARE_BLOCK, NUM_DIGITS=digits,
-            USE_GDC=has_dependent_launch(dev),
+            rows, router, pairs, crows, cpairs, BLOCK_P=block_p, BLOCK_C=ROUTE_COMPARE_BLOCK,
+            EXPERT_DIGITS=expert_digits, NUM_DIGITS=row_digits, USE_GDC=has_dependent_launch(dev),
         )
         bounds = starts[0, ::blocks][: e + 1]  # [E+1] int32, strided: expert d's run starts at block 0's start
-        done = digits.bit_length() - 1  # row bits the first pass sorted by
+        done = row_digits.bit_length() - 1  # row bits the first pass sorted by
         passes = _cdiv(max(0, row_bits - done), RADIX_BITS)
         width = _cdiv(row_bits - done, passes) if passes else 0
         if not passes:  # the first pass sorted whole rows: its row-digit starts are the row starts
@@ -459,7 +492,8 @@ class TritonExperts(PreparedExperts):
     def _gate_up_grid(self, num_pairs: int, cfg: TritonConfig) -> tuple[int, int, int]:
         """gate_up's (column blocks, row blocks, programs)."""
         num_n, num_m = _cdiv(self.w13.padded_rows, cfg.block_n_gate_up), self._row_blocks(num_pairs, cfg)
-        return num_n, num_m, num_n * (self.num_experts if cfg.expert_grid else num_m)
+        programs = num_n // _tiles(num_n, cfg.tiles_gate_up) * (self.num_experts if cfg.expert_grid else num_m)
+        return num_n, num_m, programs
 
     def gate_up(self, x, routes: Routes, cfg: TritonConfig):
         """-> act [P, I] in x's dtype (sorted positions), out [T, H] fp32 zeroed for `combine`. Counts its finished
@@ -484,7 +518,7 @@ class TritonExperts(PreparedExperts):
             SWAP_AB=cfg.swap_ab, SCALE_W=cfg.scale_weights, EVEN_K=h % w13.block_k == 0,
             EVEN_N=w13.padded_rows % cfg.block_n_gate_up == 0,
             NUM_STAGES=cfg.num_stages, ZERO_BLOCK=1024, EXPERT_GRID=cfg.expert_grid,
-            LATE_DEPENDENTS=cfg.wait_per_expert,
+            LATE_DEPENDENTS=cfg.wait_per_expert, TILES=_tiles(num_n, cfg.tiles_gate_up),
             **_launch_options(cfg, x, cfg.num_warps),
         )
         return act, out
@@ -525,6 +559,11 @@ class TritonExperts(PreparedExperts):
             BLOCK_R=COMBINE_BLOCK_R, BLOCK_N=COMBINE_BLOCK_N, SPLITS=part.shape[0], WAIT_GATE_UP=cfg.wait_per_expert,
             **_launch_options(cfg, part, num_warps=2),
         )
+
+
+def _tiles(num_n: int, tiles: int) -> int:
+    """Column blocks per program: `tiles` where it divides the column blocks, else 1."""
+    return tiles if num_n % tiles == 0 else 1
 
 
 def _use_ptx(cfg: TritonConfig, x: torch.Tensor) -> bool:

@@ -73,6 +73,9 @@ def test_triton_matches_reference(cuda, moe_problem, rel_error, hidden, inter, g
         # down's k-blocks split (I 192: two k-blocks), over row blocks and on main's grid (a third split empty)
         TritonConfig(num_warps=2, num_warps_down=4, num_stages_down=4, split_k=2),
         TritonConfig(num_warps=2, num_stages_down=4, split_k=3, expert_grid=True),
+        # gate_up programs owning three column blocks (I 192: all of them), prefill and decode operands
+        TritonConfig(block_m=64, swap_ab=True, scale_weights=True, tiles_gate_up=3),
+        TritonConfig(num_warps=2, tiles_gate_up=3),
         # down waiting for all of gate_up (the dependent launch's own wait), not per expert
         TritonConfig(wait_per_expert=False),
         TritonConfig(block_m=8, swap_ab=True, num_warps=2, split_k=2, wait_per_expert=False),

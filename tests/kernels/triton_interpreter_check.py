@@ -2,6 +2,8 @@
 and the routing against torch's stable sorts."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kernels.backends import triton_moe
@@ -55,7 +57,8 @@ def main() -> None:
     # three ways (two empty splits); the last splits down's two k-blocks in two. The last two take the prefill
     # path (weights as the left operand with the scales on them, blocks of two stored tiles, the last
     # one partial: N 160 padded to 192 against blocks of 128; three row blocks per expert, two per
-    # column turn), the second without swapping and with scales on the partials.
+    # column turn), the second without swapping and with scales on the partials. The last two let a gate_up
+    # program take several column blocks (tiles_gate_up): both prefill blocks, the second partial; three decode ones.
     prefill = TritonConfig(block_m=32, block_n_gate_up=128, block_n_down=128, tile_n_down=64, swap_ab=True,
                            scale_weights=True, group_m=2, num_warps=8)
     cases = [
@@ -66,6 +69,8 @@ def main() -> None:
         (3, 160, 160, 32, 70, None, prefill, "silu"),
         (2, 128, 160, 32, 70, None, TritonConfig(block_m=32, block_n_gate_up=128, block_n_down=128, group_m=3,
                                                  split_k=2), "gelu"),
+        (3, 160, 160, 32, 70, None, replace(prefill, tiles_gate_up=2), "gelu"),
+        (2, 192, 192, 64, 17, None, TritonConfig(tiles_gate_up=3), "silu"),
     ]
     for experts, hidden, inter, group, tokens, rows, config, activation in cases:
         def int4(n: int, k: int) -> Int4Weights:
