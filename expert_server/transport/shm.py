@@ -45,8 +45,8 @@ class ShmPlane(Plane):
         segments: dict[int, mmap.mmap] = {}  # per slot; unmapped when dropped
         # The common frame is answered by the C loop (native.py) when a held set computes frames
         # in C; every other message comes back here, and so do its replies under a reply delay.
-        frames = self.handler.experts.frames
-        loop = Connection(conn.fileno(), frames, metrics.NATIVE, hand_back=bool(delay.config)) if frames else None
+        tables = self.handler.experts.frames
+        loop = Connection(conn.fileno(), tables, metrics.NATIVE, hand_back=bool(delay.config)) if tables else None
         try:
             while True:
                 if loop is None:
