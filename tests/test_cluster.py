@@ -339,25 +339,27 @@ def test_requests_of_different_lengths_arriving_mid_batch(cluster, capsys):
         samples = scrape(f"{cluster.base_url}/metrics")
         return total(samples, "vllm:num_requests_running") + total(samples, "vllm:request_success_total")
 
-    # The first `together` requests arrive at once, so that steps are split for sure (on a fast
-    # host one-by-one arrivals overlapped by fewer than 4 at m = 4); each later one once the ones
-    # before it are in the engine, decoding.
-    together = cluster.case.pingpong or 4
-
     def ask(i: int) -> None:
-        deadline = time.monotonic() + 60
-        while started() < already + i - together + 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
         answers[i] = client.completions.create(
             model=model_id, prompt=PROMPTS[i], max_tokens=lengths[i], temperature=0, logprobs=2,
             extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
         )  # fmt: skip
 
+    # The first `together` requests arrive at once, so that steps are split for sure (on a fast
+    # host one-by-one arrivals overlapped by fewer than 4 at m = 4); each later one once the ones
+    # before it are in the engine, decoding. One thread watches, at 20 scrapes a second: a thread
+    # per waiting request, each scraping every 10 ms, kept the API server so busy rendering
+    # /metrics that on a loaded host it let the first four in one by one and no step split.
+    together = cluster.case.pingpong or 4
     before = cluster.counters()
     already = started()
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
+    threads = []
+    for i in range(len(PROMPTS)):
+        deadline = time.monotonic() + 60
+        while i >= together and started() < already + i - together + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        threads.append(threading.Thread(target=ask, args=(i,)))
+        threads[-1].start()
     for t in threads:
         t.join(timeout=600)
     assert sorted(answers) == list(range(len(PROMPTS))), "a request failed or hung"
