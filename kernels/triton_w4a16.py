@@ -29,10 +29,10 @@ prefill; 8 only with SWAP_AB, x then being the 8-wide operand of an m16n8k16 MMA
 (main's decode grid, no row-block lookup), (expert, BLOCK_N columns) and walks the expert's row
 blocks; SWAP_AB computes the transpose, the weights being the MMA's left operand. gate_up's TILES > 1:
 a program owns TILES adjacent column blocks of its row block, in one loop over (column block, k-block).
-down writes each pair's router-weighted row to its own row of a [P, H] fp32 buffer (SPLIT_K > 1: one
-such slice per run of k-blocks, each run its own programs); combine_kernel (one program per row and
-column block) sums a row's pairs in (slice, pair) order. No float atomics: the output is bitwise the same run to
-run. gate_up also zeroes a slice of `out` (rows without pairs stay zero).
+down writes each pair's router-weighted row to its own row of a [P, H] buffer, bf16 by default (fp32: the
+buffer's dtype; SPLIT_K > 1: one such slice per run of k-blocks, each run its own programs); combine_kernel (one
+program per row and column block) sums a row's pairs in fp32 in (slice, pair) order. No float atomics: the output
+is bitwise the same run to run. gate_up also zeroes a slice of `out` (rows without pairs stay zero).
 Dependent launches (USE_GDC: CUDA, sm_90+, launched with launch_pdl): gate_up, down and the combine may
 start while the launch before them still runs, so their programs are resident and set up when the previous
 launch ends. gate_up waits for the routing (gdc_wait) before touching memory -- what it writes, and any
@@ -722,8 +722,8 @@ def down_kernel(
     spairs_ptr, sweights_ptr, bounds_ptr, stride_b,  # [P] int32 pair index, [P] fp32 router weight, [E+1]
     w_ptr, stride_we, stride_wt,  # [E, Hp/TN, Ip/BK, TN, BK/4] int16
     s_ptr, stride_se, stride_sg,  # [E, Ip/G, Hp] fp32
-    part_ptr, stride_ps, stride_pp,  # [SPLIT_K, P, H] fp32 out: each pair's router-weighted row (its share of
-    # the k-blocks), at its pair index
+    part_ptr, stride_ps, stride_pp,  # [SPLIT_K, P, H] fp32 or bf16 out: each pair's router-weighted row (its
+    # share of the k-blocks), at its pair index
     ready_ptr, gate_up_n,  # [E+1] int32 (gate_up_kernel's); gate_up's column blocks
     num_n, num_m, E, H, Hp, I,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -805,7 +805,7 @@ def _down_block(
     pairs = tl.load(spairs_ptr + offs_m, mask=m_mask, other=0)
     router = tl.load(sweights_ptr + offs_m, mask=m_mask, other=0.0)  # [BM]
     out = part_ptr + pairs[:, None] * stride_pp + offs_n[None, :]
-    tl.store(out, acc * router[:, None], mask=m_mask[:, None] & (offs_n[None, :] < H))
+    tl.store(out, (acc * router[:, None]).to(part_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n[None, :] < H))
 
 
 @triton.jit
@@ -838,7 +838,7 @@ def down_rows(
 
 @triton.jit
 def combine_kernel(
-    part_ptr, stride_ps, stride_pp,  # [SPLITS, P, H] fp32 router-weighted pair rows (down_kernel's k-splits)
+    part_ptr, stride_ps, stride_pp,  # [SPLITS, P, H] fp32 or bf16 router-weighted pair rows (down's k-splits)
     cpairs_ptr, rbounds_ptr, stride_rb,  # [P] int32 pair index sorted by (row, pair); [T+1] int32 (strided)
     out_ptr, stride_ot,  # [T, H] fp32; rows without pairs keep the zeros gate_up wrote
     ready_ptr, E, gate_up_programs,  # [E+1] int32: ready[E] counts gate_up's finished programs
@@ -869,6 +869,6 @@ def combine_kernel(
             mine = offs_k < hi
             pairs = tl.load(cpairs_ptr + offs_k, mask=mine, other=0).to(tl.int64)
             part = tl.load(part_ptr + sp * stride_ps + pairs[:, None] * stride_pp + offs_n[None, :],
-                           mask=mine[:, None] & n_mask[None, :], other=0.0)  # [BR, BN]
+                           mask=mine[:, None] & n_mask[None, :], other=0.0).to(tl.float32)  # [BR, BN]
             acc += tl.sum(part, axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, acc, mask=tl.where(hi > lo, n_mask, False))

@@ -5,8 +5,9 @@
                     route_scatter_kernel, and for rows of more than 8 bits digit_count_kernel,
                     cumsum, digit_scatter_kernel per further digit)
     gate_up_kernel: x[rows] @ w13[e]^T -> act(gate) * up          [P, I]  (fp16/bf16); zeroes out
-    down_kernel:    act @ w2[e]^T * router weight -> pair rows     [S, P, H]  (fp32; S = split_k runs of k)
-    combine_kernel: each row's pair rows summed in (split, pair) order  [T, H]  (fp32), one program per row
+    down_kernel:    act @ w2[e]^T * router weight -> pair rows     [S, P, H]  (bf16; S = split_k runs of k)
+    combine_kernel: each row's pair rows summed in (split, pair) order  [T, H]  (fp32), one program per row and
+                    COMBINE_BLOCK_N columns
 No float atomics anywhere: the output is bitwise identical run to run. On CUDA sm_90+ gate_up, down and
 the combine are programmatic dependent launches: each may start under the launch before it and waits for it
 before touching memory.
@@ -27,7 +28,13 @@ from kernels.quant import Int4Weights, QuantScheme, W4A16ExpertWeights, unpack_i
 
 GROUP_SIZES = (32, 64, 128, 256)
 BLOCK_KS = (64, 128)
-COMBINE_BLOCK_R, COMBINE_BLOCK_N = 8, 256  # pairs a combine program adds per step (top-8: one), columns it owns
+# A combine program adds COMBINE_BLOCK_R pairs per step (top-8: one step) over COMBINE_BLOCK_N columns, on
+# COMBINE_WARPS warps. H200, 2026-12-04, graph us of the combine alone, Qwen3 at M = 8 / 16 / 64 / 256 / 1024, bf16 pair
+# rows: 256 columns on 2 warps 6.3 / 9.5 / 28.4 / 104.4 / 410.2, 512 on 4 6.0 / 9.1 / 27.2 / 96.0 / 380.9, 1024 on 4
+# 3.8 / 4.6 / 9.9 / 43.9 / 158.7 (about 4.2 TB/s at M = 1024, counting the pair rows read and out written), 2048 on 8
+# 3.8 / 4.6 / 10.2 / 44.2 / 156.9; fp32 pair rows 4.4 / 5.4 / 22.4 / 75.0 / 288.0 on 256 columns, 4.3-4.5 / 5.2-5.4 /
+# 22.4-23.5 / 74.5-76.4 / 280.1-281.4 on the others.
+COMBINE_BLOCK_R, COMBINE_BLOCK_N, COMBINE_WARPS = 8, 1024, 4
 ROW_BOUNDS_BLOCK = 1024  # rows a row_bounds_kernel program searches for
 READY_BLOCK = 1024  # counters a routing program zeroes per step
 RADIX_BITS = 8  # at most 2^8 digits per routing pass over rows, but for the first pass below
@@ -124,8 +131,18 @@ class TritonConfig:
     116.1 / 131.0): swap_ab + scale_weights on 4 warps at block_m 16 121.7 / 134.1 / 146.4; with 4 stages, 8 warps
     and 128-column gate_up blocks, 256-row down blocks, or the row-block grid 120-168; swap_ab alone (fp32 group
     partials, each quarter's wgmma waited on) 110.0 / 124.4 / 138.6; Mixtral 239-248 against 222-227 at M = 1-16.
-    Down writing its pair rows in bf16 (half the bytes to the combine): Qwen3 917 / 3430 against 950 / 3573 us at
-    M = 256 / 1024, 297 against 299 at 64, 107.0 against 103.2 at 1; not taken (it rounds every pair's row).
+    bf16_pair_rows: down writes each pair's router-weighted row in bf16, half the bytes to and from the combine, which
+    adds them in fp32 as before: each pair's row is rounded once more (relative error up to 2^-9 per element), still no
+    atomics, so still bitwise the same run to run. First measured with the combine on 256-column programs (Qwen3 917 /
+    3430 against 950 / 3573 us at M = 256 / 1024, 297 against 299 at 64, 107.0 against 103.2 at 1) and not taken;
+    with the combine on 1024-column programs (COMBINE_BLOCK_N) taken everywhere. H200, 2026-12-04, graph us of the
+    whole Qwen3 layer, two interleaved rounds, fp32 pair rows on 256 columns -> bf16 on 1024: M = 8 96.0 / 101.2 ->
+    94.6 / 96.5, 16 113.2 / 116.4 -> 109.4 / 112.0, 64 259.1 / 269.5 -> 243.5 / 249.8, 256 792.2 / 812.1 -> 758.3 /
+    757.9, 1024 3081.2 / 3079.5 -> 3117.4 / 2956.1 (2048 columns on 8 warps 3008.4 / 2951.0; at this M the spread is
+    wide: fp32 on 512-2048 columns 3094.8-3264.1, and the launches alone add up to 3089 -> 2868); down alone 37.7 / 42.1
+    / 91.5 / 284.5 / 1161.7 -> 36.2 / 40.2 / 84.2 / 269.4 / 1063.3 at M = 8 / 16 / 64 / 256 / 1024. Error against the
+    reference (max |out - ref| / max |ref|, the same random layer): 1.48e-3 -> 2.41e-3 at M = 16, 3.96e-3 -> 4.24e-3
+    at 64, 4.34e-3 -> 4.67e-3 at 256; five calls bitwise equal both ways.
 
     Decode (<= 16 pairs per expert), H200, Qwen3-30B-A3B shapes, graph time at 1 / 8 tokens per
     expert (bench_kernel --sweep, two runs, 2026-11-29): this default 101-102 / 108-111 us; 4 stages
@@ -157,6 +174,7 @@ class TritonConfig:
     split_k: int = 1
     dependent_launch: bool = True  # CUDA sm_90+ only: gate_up, down and combine start under the launch before
     tiles_gate_up: int = 1
+    bf16_pair_rows: bool = True  # down's router-weighted pair rows in bf16 (False: fp32), summed by the combine in fp32
 
     def __post_init__(self) -> None:
         if self.split_k < 1:
@@ -524,13 +542,15 @@ class TritonExperts(PreparedExperts):
         return act, out
 
     def down(self, act, routes: Routes, cfg: TritonConfig) -> torch.Tensor:
-        """-> [split_k, P, H] fp32: row p of slice s is pair p's router * (act @ w2^T) over split s's k-blocks.
+        """-> [split_k, P, H] bf16 (fp32 unless bf16_pair_rows): row p of slice s is pair p's router * (act @ w2^T)
+        over split s's k-blocks.
         wait_per_expert: each program waits for its expert's act tiles in routes.ready, so gate_up must have been
         launched on these routes with the same cfg first (else it waits for ever)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         gate_up_n, gate_up_m = self._gate_up_grid(act.shape[0], cfg)[0], cfg.block_m
         w2, cfg = self.w2, cfg.for_down()
-        part = torch.empty(cfg.split_k, act.shape[0], h, dtype=torch.float32, device=act.device)  # [S, P, H]
+        rows_dtype = torch.bfloat16 if cfg.bf16_pair_rows else torch.float32
+        part = torch.empty(cfg.split_k, act.shape[0], h, dtype=rows_dtype, device=act.device)  # [S, P, H]
         num_n, num_m = _cdiv(w2.padded_rows, cfg.block_n_down), self._row_blocks(act.shape[0], cfg)
         self.kernels.down_kernel[(num_n * (e if cfg.expert_grid else num_m) * cfg.split_k,)](
             act, act.stride(0),
@@ -557,7 +577,7 @@ class TritonExperts(PreparedExperts):
             part, part.stride(0), part.stride(1), routes.cpairs, routes.row_bounds, routes.row_bounds.stride(0),
             out, out.stride(0), routes.ready, self.num_experts, self._gate_up_grid(routes.rows.numel(), cfg)[2], h,
             BLOCK_R=COMBINE_BLOCK_R, BLOCK_N=COMBINE_BLOCK_N, SPLITS=part.shape[0], WAIT_GATE_UP=cfg.wait_per_expert,
-            **_launch_options(cfg, part, num_warps=2),
+            **_launch_options(cfg, part, num_warps=COMBINE_WARPS),
         )
 
 

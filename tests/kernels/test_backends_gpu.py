@@ -76,6 +76,10 @@ def test_triton_matches_reference(cuda, moe_problem, rel_error, hidden, inter, g
         # gate_up programs owning three column blocks (I 192: all of them), prefill and decode operands
         TritonConfig(block_m=64, swap_ab=True, scale_weights=True, tiles_gate_up=3),
         TritonConfig(num_warps=2, tiles_gate_up=3),
+        # down's pair rows in fp32 (bf16 by default), with and without split k-blocks
+        TritonConfig(block_m=64, swap_ab=True, scale_weights=True, tiles_gate_up=2, bf16_pair_rows=False),
+        TritonConfig(block_m=8, swap_ab=True, num_warps=2, split_k=2, bf16_pair_rows=False),
+        TritonConfig(num_warps=2, bf16_pair_rows=False),
         # down waiting for all of gate_up (the dependent launch's own wait), not per expert
         TritonConfig(wait_per_expert=False),
         TritonConfig(block_m=8, swap_ab=True, num_warps=2, split_k=2, wait_per_expert=False),

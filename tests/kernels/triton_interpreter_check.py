@@ -50,15 +50,15 @@ def main() -> None:
     for experts, pairs, num_rows in counted:
         check_route(experts, pairs, num_rows, gen)
     triton_moe.ROUTE_SCAN_MAX_WORK = scan_max_work
-    # (experts, hidden, inter, group, tokens per expert, rows, config): partial N tiles, 2 M tiles,
-    # gelu; rows None = 2 * tokens + 1. The third puts all 20 pairs on one row: the combine adds
-    # more than one window (COMBINE_BLOCK_R = 8) of a row's pairs. The fourth launches main's decode
-    # grid (a program per expert and column block walks the expert's two row blocks), down's one k-block split
-    # three ways (two empty splits); the last splits down's two k-blocks in two. The last two take the prefill
-    # path (weights as the left operand with the scales on them, blocks of two stored tiles, the last
-    # one partial: N 160 padded to 192 against blocks of 128; three row blocks per expert, two per
-    # column turn), the second without swapping and with scales on the partials. The last two let a gate_up
-    # program take several column blocks (tiles_gate_up): both prefill blocks, the second partial; three decode ones.
+    # (experts, hidden, inter, group, tokens per expert, rows, config); rows None = 2 * tokens + 1. First: partial
+    # N tiles; second: 2 M tiles, gelu; third: all 20 pairs on one row, so the combine adds more than one window
+    # (COMBINE_BLOCK_R = 8) of a row's pairs; fourth: main's decode grid (a program per expert and column block walks
+    # the expert's two row blocks), down's one k-block split three ways (two empty splits); fifth and sixth: the
+    # prefill path (weights as the left operand with the scales on them, blocks of two stored tiles, the last one
+    # partial: N 160 padded to 192 against blocks of 128; three row blocks per expert, two per column turn), the sixth
+    # without swapping, with scales on the partials and down's two k-blocks split in two; seventh and eighth: a gate_up
+    # program takes several column blocks (tiles_gate_up): both prefill blocks, the second partial; three decode ones;
+    # ninth: down's pair rows in fp32, the others' in bf16 (stores and loads only: no bitcast to bf16).
     prefill = TritonConfig(block_m=32, block_n_gate_up=128, block_n_down=128, tile_n_down=64, swap_ab=True,
                            scale_weights=True, group_m=2, num_warps=8)
     cases = [
@@ -71,6 +71,7 @@ def main() -> None:
                                                  split_k=2), "gelu"),
         (3, 160, 160, 32, 70, None, replace(prefill, tiles_gate_up=2), "gelu"),
         (2, 192, 192, 64, 17, None, TritonConfig(tiles_gate_up=3), "silu"),
+        (3, 160, 160, 32, 70, None, replace(prefill, bf16_pair_rows=False), "silu"),
     ]
     for experts, hidden, inter, group, tokens, rows, config, activation in cases:
         def int4(n: int, k: int) -> Int4Weights:
