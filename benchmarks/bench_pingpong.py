@@ -94,7 +94,7 @@ class Point:
     forward_ms: float  # the model forward within a step (attention node's metrics)
     expert_wait_ms: float  # of which blocked waiting for the workers
     ideal_step_ms: float | None = None
-    steps_by_microbatches: dict[str, float] | None = None  # decode steps measured, by the m they ran in
+    steps_by_microbatches: dict[str, float] | None = None  # the DECODE_TOKENS runs' steps (prefill included), by m
     streams_tokens_per_s: float = 0.0  # 16 clients streaming at once
     streams_failed: int = 0
     step_ms_rounds: list[float] | None = None  # each round's decode step, in the order measured
@@ -217,10 +217,12 @@ class Server:
         self.rates.append(self.batch * DECODE_TOKENS / full)
         self.forwards.append(decode_only("hetero_moe_step_forward_seconds_sum") / count)
         self.waits.append(decode_only("hetero_moe_step_expert_wait_seconds_sum") / count)
+        # Steps by m: the whole DECODE_TOKENS run's, its prefill included. Its difference from the
+        # 1-token run's, per m, read -1 where a prefill step ran at another m in one run than in the other.
         for key in s2:
             if key.startswith(STEPS_BY_M + " "):
                 m = key.split()[1]
-                self.by_m[m] = self.by_m.get(m, 0.0) + decode_only(key)
+                self.by_m[m] = self.by_m.get(m, 0.0) + s2[key] - s1.get(key, 0.0)
 
     def sample_streams(self) -> None:
         self.select()
@@ -391,7 +393,7 @@ def main() -> None:
     finally:
         cluster.stop()
     header = (f"{'regime':22} {'m':>4} {'step ms':>8} {'rounds ms':>11} {'ideal ms':>9} {'x m=1':>6} {'x best m':>8} "
-              f"{'tok/s':>7} {'wait ms':>8} {'16 streams tok/s':>16} {'failed':>6}  decode steps by m")  # fmt: skip
+              f"{'tok/s':>7} {'wait ms':>8} {'16 streams tok/s':>16} {'failed':>6}  steps by m (prefill too)")  # fmt: skip
     lines = [header]
     for pt in points:
         base = next(q for q in points if q.regime == pt.regime and q.microbatches == 1)
