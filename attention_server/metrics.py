@@ -47,9 +47,13 @@ STEP_EXPERT_WAIT = Histogram(
 )
 STEP_COMBINE = Histogram("hetero_moe_step_combine_seconds", "Time in a step's forward combining the workers' partials",
                          buckets=_STEP_BUCKETS)  # fmt: skip
+STEP_DISPATCH = Histogram(
+    "hetero_moe_step_dispatch_seconds", "Time in a step's forward sending rows to the expert workers (routing, "
+    "partition, frames)", buckets=_STEP_BUCKETS,
+)
 STEP_ATTENTION = Histogram(
     "hetero_moe_step_attention_seconds",
-    "The rest of a step's forward: attention, routers, dispatch and shared experts", buckets=_STEP_BUCKETS,
+    "The rest of a step's forward: attention, routers and shared experts", buckets=_STEP_BUCKETS,
 )
 STEP_OVERLAP = Histogram(
     "hetero_moe_step_overlap_ratio", "Share of a step's forward not blocked on the experts (1 - wait / forward)",
@@ -130,17 +134,19 @@ def publish_load(view: LoadView) -> None:
 class StepTimes:
     """What the MoE layers of one step spent, added up over its layers and micro-batches."""
 
+    dispatch_s: float = 0.0
     expert_wait_s: float = 0.0
     combine_s: float = 0.0
 
     def publish(self, forward_s: float, microbatches: int) -> None:
         PINGPONG_STEPS.labels(str(microbatches)).inc()
         STEP_FORWARD.observe(forward_s)
+        STEP_DISPATCH.observe(self.dispatch_s)
         STEP_EXPERT_WAIT.observe(self.expert_wait_s)
         STEP_COMBINE.observe(self.combine_s)
-        STEP_ATTENTION.observe(max(0.0, forward_s - self.expert_wait_s - self.combine_s))
+        STEP_ATTENTION.observe(max(0.0, forward_s - self.dispatch_s - self.expert_wait_s - self.combine_s))
         STEP_OVERLAP.observe(1.0 - self.expert_wait_s / forward_s if forward_s > 0 else 1.0)
-        self.expert_wait_s = self.combine_s = 0.0
+        self.dispatch_s = self.expert_wait_s = self.combine_s = 0.0
 
 
 class DispatchCounts:

@@ -240,6 +240,7 @@ class RemoteRoutedExperts(RoutedExperts):
         return torch.ops.hetero_moe.combine(token, x, self.op_key)
 
     def send(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        start = time.perf_counter()
         micro_batch = dbo_current_ubatch_id()
         hot, shards, split = self.pool.route(self.layer_index)
         plan = partition(topk_ids, topk_weights, shards, split)
@@ -247,6 +248,7 @@ class RemoteRoutedExperts(RoutedExperts):
             self.hot_calls[micro_batch] = (hot, plan)
             plan = DispatchPlan(plan.num_tokens, plan.slices[:-1], plan.expert_pairs)
         self.pool.transport.send(self.layer_index, micro_batch, x, plan)
+        self.pool.times.dispatch_s += time.perf_counter() - start
 
     def receive(self, x: torch.Tensor) -> torch.Tensor:
         micro_batch = dbo_current_ubatch_id()
