@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
-PRESETS = ("tiny", "large", "a3b", "skewed")
+PRESETS = ("tiny", "large", "a3b", "skewed", "deep")
 NUM_WORKERS = 8  # pool B size: experts are split evenly across workers
 FORMAT_VERSION = 1  # bump when the code changes the bytes written for an unchanged spec
 
@@ -152,12 +152,19 @@ def _skewed(arch: str) -> ModelSpec:
                                skew=RouterSkew(hot_experts=(2, 9, 13), embed_offset=8.0, router_gain=40.0))  # fmt: skip
 
 
+def _deep(arch: str) -> ModelSpec:
+    """The tiny model with 16 layers instead of 4, for `make bench-pingpong ARGS="--preset deep"`: what a step costs
+    once (sampling, ping-pong's fill and drain) spreads over more layers, as in real MoE models
+    (Mixtral 32, Qwen3-30B-A3B 48)."""
+    return dataclasses.replace(_tiny(arch), preset="deep", num_layers=16)
+
+
 def spec_for(arch: str, preset: str = "tiny") -> ModelSpec:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {PRESETS}")
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
-    return {"tiny": _tiny, "large": _large, "a3b": _a3b, "skewed": _skewed}[preset](arch)
+    return {"tiny": _tiny, "large": _large, "a3b": _a3b, "skewed": _skewed, "deep": _deep}[preset](arch)
 
 
 def hf_config(spec: ModelSpec, special_ids: dict[str, int]) -> dict:
