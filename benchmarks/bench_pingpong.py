@@ -1,19 +1,20 @@
 """make bench-pingpong: decode step time and throughput with m = 1, 2, 3, 4 and auto micro-batches in ping-pong.
 
     python -m benchmarks.bench_pingpong [--out FILE] [--batch 128] [--workers 8] [--microbatches 1,2,3,4,auto]
-                                        [--cpus split|shared]
+                                        [--cpus split|shared] [--context 3876] [--preset tiny|deep]
 
-The cluster on the embedded tiny model (4 MoE layers, compiled), loopback only; a batch of B
-requests with a long prompt (so that attention is a real part of the attention node's time)
-decodes together. On this CPU machine the experts cost next to nothing, so the workers emulate
-pool B with their benchmark-only reply delay (--bench-reply-delay-ms/-us-per-row: each Forward
-reply leaves that much later while the worker takes the next request; printed with every figure).
-A first run without delays measures the attention node's busy time per MoE layer (a) and the
+The cluster on the embedded tiny model (4 MoE layers, compiled; --preset deep: its 16-layer twin),
+loopback only; a batch of B requests with one long prompt (--context tokens, by default the most
+the model allows, so that attention is a real part of the attention node's time) decodes
+together. On this CPU machine the experts cost next to nothing, so the workers emulate pool B
+with their benchmark-only reply delay (--bench-reply-delay-ms/-us-per-row: each Forward reply
+leaves that much later while the worker takes the next request; printed with every figure). A
+first run without delays measures the attention node's busy time per MoE layer (a) and the
 remote time this machine adds by itself (own: transport and the workers' CPU). Two regimes:
 
 - expert ≈ attention: a per-row delay that brings the busiest worker's remote time to a (a
-  micro-batch's experts then cost what its attention costs: the ideal m = 2 step is about half of
-  m = 1's). The batch's requests share one prompt, so they decode the same greedy tokens and
+  micro-batch's experts then cost what its attention costs: m = 2 can hide one behind the
+  other). The batch's requests share one prompt, so they decode the same greedy tokens and
   route alike: the workers of a layer's top-k experts each get every row of the micro-batch;
 - transport-heavy: that, plus a fixed delay per Forward of twice a (a slow link), where more
   micro-batches keep paying off.
@@ -36,11 +37,13 @@ each m.
 Every point also runs 16 clients streaming at once (requests that come and go, as users' do):
 output tokens/s and how many requests failed.
 
-Beside each measured step, the ideal from DESIGN.md §4 for this emulation: one layer takes
-max(a, a/m + r(m)) with r(m) = own + d + e/m a micro-batch's remote time (d the fixed delay, e
-what the per-row delay added to the wait at m = 1); the step adds the time outside the model
-forward (sampling, scheduling). a, e and that outside time come from the regime's m = 1 point,
-own from the run without delays, all from the attention node's metrics (hetero_moe_step_*).
+Beside each measured step, the ideal from DESIGN.md §4 for this emulation, the pipeline's fill
+and drain included: in steady state a layer takes max(a, a/m + r(m)), with r(m) = own + d + e/m a
+micro-batch's remote time (d the fixed delay, e what the per-row delay added to the wait at m = 1);
+the last layer takes a, all of its micro-batches' attention, and then its last micro-batch's r(m),
+which nothing overlaps; the step adds the time outside the model forward (sampling, scheduling).
+a, e and that outside time come from the regime's m = 1 point, own from the run without delays,
+all from the attention node's metrics (hetero_moe_step_*).
 
 Prints a table, writes JSON and a PNG (step time against m, both regimes) next to it.
 """
@@ -62,7 +65,7 @@ from attention_server.config import MAX_MICROBATCHES
 from cluster.certs import reuse_or_make
 from cluster.launcher import ClusterSpec, free_ports, free_worker_ports, stop_pids, wait_http_ready
 from expert_server.config import BENCHMARK_ENV
-from protos.checkpoint import read_checkpoint
+from protos.checkpoint import read_checkpoint, read_model_config
 from benchmarks import machine
 
 logger = logging.getLogger("bench_pingpong")
@@ -78,8 +81,33 @@ POOL_A_CPUS = _CPUS[: max(1, len(_CPUS) // 2)]
 POOL_B_CPUS = _CPUS[max(1, len(_CPUS) // 2) :] or _CPUS
 VLLM_ARGS = ("--dtype", "bfloat16", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 30))
 DECODE_TOKENS = 48
-# A long context, so that attention is a real part of the attention node's time per layer.
-PROMPT = " ".join(["In the beginning of the long winter the village gathered its wood, its grain and its stories."] * 50)
+# A long prompt, so that attention is a real part of the attention node's time per layer.
+SENTENCE = "In the beginning of the long winter the village gathered its wood, its grain and its stories."
+PROMPT = " ".join([SENTENCE] * 50)  # 1551 tokens (benchmarks/bench_placement.py's streams)
+CONTEXT = 3876  # the bench's prompt tokens by default: SENTENCE 125 times, the most the tiny model's 4096 allows
+
+
+def long_prompt(model: Path, tokens: int) -> str:
+    """SENTENCE repeated to at most `tokens` tokens of the model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    one, two = (len(tokenizer(" ".join([SENTENCE] * n)).input_ids) for n in (1, 2))
+    return " ".join([SENTENCE] * max(1, 1 + (tokens - one) // (two - one)))
+
+
+def vllm_args(model: Path, context: int, batch: int) -> tuple[str, ...]:
+    """VLLM_ARGS with room for `batch` requests of `context` + DECODE_TOKENS tokens (their KV cache
+    whole, the prefix cache aside), where it has too little."""
+    max_len = max(2048, -(-(context + DECODE_TOKENS) // 256) * 256)
+    if max_len == 2048 and batch <= 128:  # 128: vLLM's --max-num-seqs on CPU
+        return VLLM_ARGS
+    config = read_model_config(model)
+    kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2  # K and V, bf16
+    return ("--dtype", "bfloat16", "--max-model-len", str(max_len), "--kv-cache-memory-bytes",
+            str(max(1 << 30, batch * max_len * kv_per_token)), "--max-num-seqs", str(max(128, batch)))  # fmt: skip
+
+
 # The rounds of one point were seen to spread by +-20% (45.8-65.8 ms), about the differences between
 # m this bench is for: a median of 3 moved by more than line 4's 5%. Each point prints its spread.
 ROUNDS = 5
@@ -122,10 +150,10 @@ def scrape_sums(url: str) -> dict[str, float]:
     return out
 
 
-def decode_seconds(client, model: str, batch: int, tokens: int, prompts: list[str] | None = None) -> float:
-    """One batch of `batch` requests (all PROMPT, or `prompts`), each decoding `tokens` tokens."""
+def decode_seconds(client, model: str, batch: int, tokens: int, prompts: list[str]) -> float:
+    """One batch of `batch` requests (`prompts`), each decoding `tokens` tokens."""
     start = time.perf_counter()
-    client.completions.create(model=model, prompt=prompts or [PROMPT] * batch, max_tokens=tokens, temperature=0,
+    client.completions.create(model=model, prompt=prompts, max_tokens=tokens, temperature=0,
                               extra_body={"ignore_eos": True})  # fmt: skip
     return time.perf_counter() - start
 
@@ -133,7 +161,7 @@ def decode_seconds(client, model: str, batch: int, tokens: int, prompts: list[st
 STREAMS = 16
 
 
-def streams(client, model: str, tag: str) -> tuple[float, int]:
+def streams(client, model: str, tag: str, prompt: str) -> tuple[float, int]:
     """(output tokens/s, failed requests) of STREAMS clients streaming DECODE_TOKENS tokens each at once.
     Their prompts start with `tag`, one per point: the points share a server, whose prefix cache
     would otherwise spare every point but the first its prefills."""
@@ -143,7 +171,7 @@ def streams(client, model: str, tag: str) -> tuple[float, int]:
 
     def one(i: int) -> None:
         try:
-            chunks = client.completions.create(model=model, prompt=f"{tag} {i} {PROMPT}", max_tokens=DECODE_TOKENS,
+            chunks = client.completions.create(model=model, prompt=f"{tag} {i} {prompt}", max_tokens=DECODE_TOKENS,
                                                temperature=0, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
             tokens[i] = sum(1 for c in chunks if c.choices and c.choices[0].text is not None)
         except Exception:  # counted: the bench reports failures instead of dying on them
@@ -173,10 +201,13 @@ class Server:
     """One attention server under measurement: its samples, taken in rounds that alternate with
     the other servers' (measure_interleaved)."""
 
-    def __init__(self, base_url: str, batch: int, regime: str, m: int | None, prompts: list[str] | None = None):
+    def __init__(self, base_url: str, batch: int, regime: str, m: int | None, prompts: list[str] | None = None,
+                 prompt: str = PROMPT):  # fmt: skip
+        """The batch asks `prompts`, or `prompt` `batch` times; the 16 streams ask `prompt`."""
         from openai import OpenAI
 
-        self.url, self.batch, self.regime, self.m, self.prompts = f"{base_url}/metrics", batch, regime, m, prompts
+        self.url, self.batch, self.regime, self.m = f"{base_url}/metrics", batch, regime, m
+        self.prompts, self.prompt = prompts or [prompt] * batch, prompt
         self.control = f"{base_url}/collective_rpc"
         self.client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
         self.model = self.client.models.list().data[0].id
@@ -201,7 +232,7 @@ class Server:
         """Decode step = (time of DECODE_TOKENS tokens - time of 1) / (DECODE_TOKENS - 1); the
         attention node's forward and expert wait per decode step the same way, from its metrics
         (the 1-token request is the prefill the other also has). The batch's requests all ask
-        PROMPT (so they route alike), or `prompts`."""
+        one prompt (so they route alike), or `prompts`."""
         self.select()
         s0 = scrape_sums(self.url)
         one = decode_seconds(self.client, self.model, self.batch, 1, self.prompts)
@@ -226,7 +257,7 @@ class Server:
 
     def sample_streams(self) -> None:
         self.select()
-        self.streams = streams(self.client, self.model, f"{self.regime} m={label(self.m)}")
+        self.streams = streams(self.client, self.model, f"{self.regime} m={label(self.m)}", self.prompt)
 
     def point(self) -> Point:
         """Medians over the rounds."""
@@ -265,8 +296,9 @@ def measure_interleaved(servers: list[Server]) -> list[Point]:
 class Cluster:
     """Eight workers (restarted per regime, with its delays) and one attention server at a time."""
 
-    def __init__(self, model: Path, logs: Path, workers: int, split_cpus: bool = False):
-        self.model, self.logs, self.split_cpus = model, logs, split_cpus
+    def __init__(self, model: Path, logs: Path, workers: int, split_cpus: bool = False,
+                 vllm_args: tuple[str, ...] = VLLM_ARGS):  # fmt: skip
+        self.model, self.logs, self.split_cpus, self.vllm_args = model, logs, split_cpus, vllm_args
         self.spec = ClusterSpec(model=model, num_workers=workers, http_port=0, host=HOST, run_dir=logs, worker_threads=1,
                                 **free_worker_ports(workers), tls_dir=reuse_or_make(logs / "tls"))  # fmt: skip
         self.procs: dict[str, subprocess.Popen] = {}
@@ -305,7 +337,7 @@ class Cluster:
         (port,) = free_ports(1)
         cmd = [sys.executable, "-m", "attention_server", "--model", str(self.model), "--expert-endpoints",
                ",".join(self.spec.endpoints), *self.spec.security_args(), "--host", HOST, "--port", str(port),
-               "--pingpong-microbatches", "auto", *flags, *VLLM_ARGS]  # fmt: skip
+               "--pingpong-microbatches", "auto", *flags, *self.vllm_args]  # fmt: skip
         with (self.logs / f"attention-{name}.log").open("wb") as f:
             proc = self.procs["attention"] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                                               start_new_session=True, env=env)  # fmt: skip
@@ -329,11 +361,13 @@ def label(m: int | None) -> str:
 def ideal_step_ms(base: Point, layers: int, m: int, own_ms: float, d_ms: float) -> float:
     """DESIGN.md §4 for a micro-batch's remote time r(m) = own + d + e/m per layer, from the regime's
     m = 1 point `base`: a = attention busy time per layer, e = what the per-row delay added to the
-    wait at m = 1, outside = step time outside the model forward."""
+    wait at m = 1, outside = step time outside the model forward. Layers but the last take the
+    steady state's max(a, a/m + r(m)); the last takes a and then r(m), its drain (= base.step_ms at m = 1)."""
     a = (base.forward_ms - base.expert_wait_ms) / layers
     e = max(0.0, base.expert_wait_ms / layers - own_ms - d_ms)
     outside = base.step_ms - base.forward_ms
-    return outside + layers * max(a, a / m + own_ms + d_ms + e / m)
+    r = own_ms + d_ms + e / m
+    return outside + (layers - 1) * max(a, a / m + r) + a + r
 
 
 def main() -> None:
@@ -342,6 +376,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("results/bench_pingpong.json"))
     p.add_argument("--batch", type=int, default=128, help="requests decoding together (enough for attention to be a real part of a step)")
     p.add_argument("--microbatches", default="1,2,3,4,auto")
+    p.add_argument("--context", type=int, default=CONTEXT,
+                   help="prompt tokens of the batch's requests (the model allows 4096 with the decoded ones)")
+    p.add_argument("--preset", choices=("tiny", "deep"), default="tiny",
+                   help="tiny: the embedded model (4 layers); deep: its 16-layer twin (tiny_models)")  # fmt: skip
     p.add_argument("--workers", type=int, default=8, help="expert workers (each costs this machine CPU per request)")
     p.add_argument("--cpus", choices=("split", "shared"), default="split",
                    help="split: vLLM's model worker and the expert workers on separate CPUs, as on separate machines")  # fmt: skip
@@ -352,10 +390,14 @@ def main() -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     logs = a.out.parent / "bench-pingpong-logs"
     logs.mkdir(exist_ok=True)
-    model = tiny_models.make("qwen3_moe", tiny_models.default_model_dir())
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hetero-moe" / "models"
+    model = tiny_models.make("qwen3_moe", tiny_models.default_model_dir() if a.preset == "tiny" else
+                             cache / f"qwen3_moe-{a.preset}", preset=a.preset)  # fmt: skip
     ckpt = read_checkpoint(model)
     layers = len(ckpt.moe_layers)
-    cluster = Cluster(model, logs, a.workers, split_cpus=a.cpus == "split")
+    prompt = long_prompt(model, a.context)
+    serve_args = vllm_args(model, a.context, a.batch)
+    cluster = Cluster(model, logs, a.workers, split_cpus=a.cpus == "split", vllm_args=serve_args)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     points: list[Point] = []
     regimes: dict[str, dict] = {}
@@ -364,8 +406,8 @@ def main() -> None:
         # adds by itself (transport, the workers' CPU), with instant workers.
         cluster.start_workers(0.0, 0.0)
         url = cluster.start_attention("calibration")
-        (calib,) = measure_interleaved([Server(url, a.batch, "no delay", 1)])
-        context = prompt_tokens(url)
+        (calib,) = measure_interleaved([Server(url, a.batch, "no delay", 1, prompt=prompt)])
+        context = prompt_tokens(url, [prompt])
         points.append(calib)
         attention_ms = (calib.forward_ms - calib.expert_wait_ms) / layers
         own_remote_ms = calib.expert_wait_ms / layers
@@ -382,7 +424,7 @@ def main() -> None:
         for regime, delays in regimes.items():
             cluster.start_workers(delays["delay_ms"], delays["delay_us_per_row"])
             url = cluster.start_attention(regime.split()[0])
-            measured = measure_interleaved([Server(url, a.batch, regime, m) for m in ms])
+            measured = measure_interleaved([Server(url, a.batch, regime, m, prompt=prompt) for m in ms])
             base = measured[0]
             for m, point in zip(ms, measured):
                 # auto's ideal: the best m's
@@ -422,12 +464,13 @@ def main() -> None:
         "workers": a.workers,
         "decode_tokens": DECODE_TOKENS,
         "prompt_tokens": context,
+        "preset": a.preset,
         "moe_layers": layers,
         "attention_ms_per_layer": attention_ms,
         "own_remote_ms_per_layer": own_remote_ms,
         "regimes": regimes,
         "points": [asdict(pt) for pt in points],
-        "vllm_args": list(VLLM_ARGS),
+        "vllm_args": list(serve_args),
         "cpus": cpus,
     }
     a.out.write_text(json.dumps(result, indent=2))
