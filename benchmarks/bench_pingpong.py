@@ -98,10 +98,8 @@ def long_prompt(model: Path, tokens: int) -> str:
 
 def vllm_args(model: Path, context: int, batch: int) -> tuple[str, ...]:
     """VLLM_ARGS with room for `batch` requests of `context` + DECODE_TOKENS tokens (their KV cache
-    whole, the prefix cache aside), where it has too little."""
+    whole, the prefix cache aside)."""
     max_len = max(2048, -(-(context + DECODE_TOKENS) // 256) * 256)
-    if max_len == 2048 and batch <= 128:  # 128: vLLM's --max-num-seqs on CPU
-        return VLLM_ARGS
     config = read_model_config(model)
     kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2  # K and V, bf16
     return ("--dtype", "bfloat16", "--max-model-len", str(max_len), "--kv-cache-memory-bytes",
@@ -390,9 +388,9 @@ def main() -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     logs = a.out.parent / "bench-pingpong-logs"
     logs.mkdir(exist_ok=True)
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hetero-moe" / "models"
-    model = tiny_models.make("qwen3_moe", tiny_models.default_model_dir() if a.preset == "tiny" else
-                             cache / f"qwen3_moe-{a.preset}", preset=a.preset)  # fmt: skip
+    embedded = tiny_models.default_model_dir()
+    model = tiny_models.make("qwen3_moe", embedded if a.preset == "tiny" else embedded.parent / f"qwen3_moe-{a.preset}",
+                             preset=a.preset)  # fmt: skip
     ckpt = read_checkpoint(model)
     layers = len(ckpt.moe_layers)
     prompt = long_prompt(model, a.context)
