@@ -389,8 +389,8 @@ def main() -> None:
     logs = a.out.parent / "bench-pingpong-logs"
     logs.mkdir(exist_ok=True)
     embedded = tiny_models.default_model_dir()
-    model = tiny_models.make("qwen3_moe", embedded if a.preset == "tiny" else embedded.parent / f"qwen3_moe-{a.preset}",
-                             preset=a.preset)  # fmt: skip
+    model_dir = embedded if a.preset == "tiny" else embedded.parent / f"qwen3_moe-{a.preset}"
+    model = tiny_models.make("qwen3_moe", model_dir, preset=a.preset)
     ckpt = read_checkpoint(model)
     layers = len(ckpt.moe_layers)
     prompt = long_prompt(model, a.context)
