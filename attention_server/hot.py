@@ -70,7 +70,7 @@ class HotSet:
         experts = self.loaded.layers[layer]
         local = torch.from_numpy(self.local[layer][part.pair_experts.numpy()])
         return experts(x[part.rows.to(x.device)], part.pair_rows.long().to(x.device), local.to(x.device),
-                       part.pair_weights.to(x.device))  # fmt: skip
+                       part.pair_weights.to(x.device), rows_ascending=True)  # fmt: skip
 
 
 def choose(window: np.ndarray, layers: Sequence[int], budget_bytes: int, expert_bytes: int) -> dict[int, tuple[int, ...]]:

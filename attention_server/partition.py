@@ -21,7 +21,8 @@ class ShardSlice:
 
     rows:  [T_s] int64 token indices into the layer input, ascending
     pairs: [3, P_s] int32, the wire's pair block: row index into `rows`, global expert id,
-           router weight (float32 bits); read through the properties below
+           router weight (float32 bits), in token order (row indices never decrease); read through
+           the properties below
     """
 
     shard: int

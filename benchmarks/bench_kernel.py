@@ -200,8 +200,8 @@ def run_backend(
         experts = backend.prepare(weights, "silu", device)
     rows = []
     for p in problems:
-        def call(p: Problem = p) -> torch.Tensor:
-            return experts(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights)
+        def call(p: Problem = p) -> torch.Tensor:  # pairs in token order, as a worker gets them
+            return experts(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights, rows_ascending=True)
 
         seconds = time_call(call, device, iters)
         error = None
@@ -390,23 +390,27 @@ def triton_sweep(weights, problems, device, iters, peaks: Peaks) -> tuple[list[R
 
 def triton_breakdown(experts, problems, device, iters) -> list[dict]:
     """Graph-replay time (us) of each launch alone (route, gate_up, down, combine) next to the whole call, and
-    of torch's two stable sorts (by expert, by row) that a torch routing would need at least."""
+    of torch's two stable sorts (by expert, by row) that a torch routing would need at least; the routing and the
+    whole call also without the promise that the rows ascend (the rows then sorted too)."""
     from kernels.backends.triton_moe import TritonConfig
 
     shape = problems[0].shape
     out = []
     for p in problems:
         cfg = experts.config or TritonConfig.for_load(p.pair_rows.numel(), experts.num_experts)
-        routes = experts.route(p.pair_rows, p.pair_experts, p.pair_weights, p.hidden.shape[0])
+        routes = experts.route(p.pair_rows, p.pair_experts, p.pair_weights, p.hidden.shape[0], True)
         act, result = experts.gate_up(p.hidden, routes, cfg)
         part = experts.down(act, routes, cfg)
         parts = {
-            "route": lambda p=p: experts.route(p.pair_rows, p.pair_experts, p.pair_weights, p.hidden.shape[0]),
+            "route": lambda p=p: experts.route(p.pair_rows, p.pair_experts, p.pair_weights, p.hidden.shape[0], True),
+            "route rows sorted": lambda p=p: experts.route(p.pair_rows, p.pair_experts, p.pair_weights,
+                                                           p.hidden.shape[0]),
             "torch sorts": lambda p=p: (torch.sort(p.pair_experts, stable=True), torch.sort(p.pair_rows, stable=True)),
             "gate_up": lambda: experts.gate_up(p.hidden, routes, cfg),
             "down": lambda: experts.down(act, routes, cfg),
             "combine": lambda: experts.combine(part, routes, result, cfg),
-            "all": lambda p=p: experts(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights),
+            "all": lambda p=p: experts(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights, rows_ascending=True),
+            "all rows sorted": lambda p=p: experts(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights),
         }
         times = {name: time_graph(fn, device, iters) for name, fn in parts.items()}
         out.append({"model": shape.name, "tokens_per_expert": p.tokens_per_expert, "config": _describe(cfg, True),

@@ -50,12 +50,14 @@ class PairGroup:
     pair_rows:    [P_g] int64 in [0, T)
     pair_experts: [P_g] int64 expert index within the set
     pair_weights: [P_g] float32
+    rows_ascending: pair_rows never decrease (the attention node sends pairs in token order)
     """
 
     experts: PreparedExperts
     pair_rows: torch.Tensor
     pair_experts: torch.Tensor
     pair_weights: torch.Tensor
+    rows_ascending: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +173,7 @@ class LocalExperts:
         # dispatch (or numpy's Python wrappers) would cost more than the checks.
         rows, experts = pair_rows.numpy().astype(np.int64), pair_experts.numpy().astype(np.int64)
         first = last = 0
+        ascending = bool(np.greater_equal(rows[1:], rows[:-1]).all())  # token order, as the attention node sends
         if num_pairs:
             low, high = np.minimum.reduce(rows), np.maximum.reduce(rows)
             if low < 0 or high >= hidden.shape[0]:
@@ -192,9 +195,10 @@ class LocalExperts:
         if first == last:
             groups = (PairGroup(table.sets[first], torch.from_numpy(rows).to(self.device),
                                 torch.from_numpy(experts - table.offset[first]).to(self.device),
-                                pair_weights.to(self.device)),)  # fmt: skip
+                                pair_weights.to(self.device), ascending),)  # fmt: skip
         else:
-            groups = self._grouped(table, sets, rows, experts - table.offset.take(sets), pair_weights.numpy())
+            groups = self._grouped(table, sets, rows, experts - table.offset.take(sets), pair_weights.numpy(),
+                                   ascending)
         return ExpertBatch(layer=layer, hidden=hidden.to(self.device), groups=groups, num_pairs=num_pairs)
 
     def forward_frame(self, header: Header, payload: memoryview, out: memoryview) -> bool:
@@ -214,15 +218,16 @@ class LocalExperts:
                                               int(table.offset[held]), _address(out))  # fmt: skip
 
     def _grouped(self, table: LayerTable, sets: np.ndarray, rows: np.ndarray, local: np.ndarray,
-                 weights: np.ndarray) -> tuple[PairGroup, ...]:  # fmt: skip
-        """The pairs of several sets, one group per set in set order (pairs keep their order within)."""
+                 weights: np.ndarray, ascending: bool) -> tuple[PairGroup, ...]:  # fmt: skip
+        """The pairs of several sets, one group per set in set order (pairs keep their order within, so
+        rows that ascend still do)."""
         order = np.argsort(sets, kind="stable")
         starts = np.flatnonzero(np.diff(sets[order])) + 1
         groups = []
         for pairs in np.split(order, starts):
             groups.append(PairGroup(table.sets[sets[pairs[0]]], torch.from_numpy(rows[pairs]).to(self.device),
                                     torch.from_numpy(local[pairs]).to(self.device),
-                                    torch.from_numpy(weights[pairs]).to(self.device)))  # fmt: skip
+                                    torch.from_numpy(weights[pairs]).to(self.device), ascending))  # fmt: skip
         return tuple(groups)
 
     def describe(self, table: LayerTable) -> str:
@@ -233,7 +238,9 @@ class LocalExperts:
         """[T, H] float32 partial: router-weighted sum of the named experts per row, each group on
         its set's experts; the groups' partials are added in the batch's order, in float32."""
         first, *rest = batch.groups
-        partial = first.experts(batch.hidden, first.pair_rows, first.pair_experts, first.pair_weights)
+        partial = first.experts(batch.hidden, first.pair_rows, first.pair_experts, first.pair_weights,
+                                rows_ascending=first.rows_ascending)
         for g in rest:
-            partial = partial + g.experts(batch.hidden, g.pair_rows, g.pair_experts, g.pair_weights)
+            partial = partial + g.experts(batch.hidden, g.pair_rows, g.pair_experts, g.pair_weights,
+                                          rows_ascending=g.rows_ascending)
         return partial.cpu()

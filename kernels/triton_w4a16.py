@@ -19,10 +19,12 @@ scanning all pairs (scan_route_kernel, O((E + T) * P) work, no atomics); above, 
 many programs, O(P) work: route_count_kernel, a cumsum and route_scatter_kernel place the pairs
 by expert and by the row's low digit at once, then digit_count_kernel, a cumsum and
 digit_scatter_kernel once per further row digit. Positions depend only on the inputs; the only
-atomics count integers.
+atomics count integers. Rows given in ascending order (ROWS_ASCENDING, BY_ROW off: pair order is
+then row order) are not sorted: only the experts are ranked or counted.
 The combine finds a row's pairs through rbounds [T+1] (row t: positions [rbounds[t], rbounds[t+1])
 of the (row, pair) order): from the ranking's row counts, from the first pass's counts when
-one pass sorts the rows, else a binary search (row_bounds_kernel).
+one pass sorts the rows, else a binary search (row_bounds_kernel; with ascending rows, in the
+given rows).
 GEMMs: each expert's pairs split into BLOCK_M-row blocks; one program owns (row block, BLOCK_N
 output columns), so a dequantized weight tile serves BLOCK_M rows (8-32 for decode, 64-128 for
 prefill; 8 only with SWAP_AB, x then being the 8-wide operand of an m16n8k16 MMA), or, EXPERT_GRID
@@ -303,14 +305,19 @@ def _scan_keys(keys_ptr, k0, K, P, starts_ptr, pair_out, rows_out, rows_ptr, wei
 
 @triton.jit
 def scan_route_kernel(
-    experts_ptr, rows_ptr, weights_ptr, P, E, T,  # [P] local expert, row (< T), router weight of each pair
+    experts_ptr, rows_ptr, weights_ptr, P, E, T, steps,  # [P] local expert, row (< T), router weight of each pair;
+    # steps >= bit_length(P) (ROWS_ASCENDING's search)
     bounds_ptr, srows_ptr, sweights_ptr, spairs_ptr,  # out: [E+1] int32; [P] row, fp32 weight, pair by expert
     crows_ptr, cpairs_ptr, rbounds_ptr,  # out: [P] int32 row and pair sorted by (row, pair); [T+1] int32
     ready_ptr,  # out: [E+1] int32 zeroed (_zero_ready)
-    BLOCK_P: tl.constexpr, KEYS: tl.constexpr, READY_BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
+    BLOCK_P: tl.constexpr, KEYS: tl.constexpr, READY_BLOCK: tl.constexpr, ROWS_ASCENDING: tl.constexpr,
+    ROW_KEYS: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """Both stable orders by ranking, no atomics: programs 0..cdiv(E, KEYS)-1 own KEYS experts each, the rest
-    KEYS rows each (_scan_keys). Positions depend only on the inputs."""
+    KEYS rows each (_scan_keys). Positions depend only on the inputs.
+    ROWS_ASCENDING (the rows never decrease: pair order is row order): the row programs, cdiv(T + 1, ROW_KEYS),
+    only find the starts of their ROW_KEYS rows in rows_ptr (_row_starts, rows 0..T: rbounds [T+1]); crows and
+    cpairs are not written."""
     if USE_GDC:
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -319,6 +326,9 @@ def scan_route_kernel(
     if pid < expert_programs:
         _scan_keys(experts_ptr, pid * KEYS, E, P, bounds_ptr, spairs_ptr, srows_ptr, rows_ptr, weights_ptr,
                    sweights_ptr, BLOCK_P, KEYS, True)
+    elif ROWS_ASCENDING:
+        offs_t = (pid - expert_programs) * ROW_KEYS + tl.arange(0, ROW_KEYS)
+        tl.store(rbounds_ptr + offs_t, _row_starts(rows_ptr, P, offs_t, steps), mask=offs_t <= T)
     else:
         _scan_keys(rows_ptr, (pid - expert_programs) * KEYS, T, P, rbounds_ptr, cpairs_ptr, crows_ptr, rows_ptr,
                    weights_ptr, sweights_ptr, BLOCK_P, KEYS, False)
@@ -374,11 +384,13 @@ def route_count_kernel(
     # 1 + EXPERT_DIGITS * num_blocks), by row digit
     ready_ptr, E,  # out: [E+1] int32 zeroed (_zero_ready)
     BLOCK_P: tl.constexpr, EXPERT_DIGITS: tl.constexpr, NUM_DIGITS: tl.constexpr, READY_BLOCK: tl.constexpr,
+    BY_ROW: tl.constexpr,
 ):
-    """The first pass's counts: experts (< EXPERT_DIGITS) and the rows' low digit (row % NUM_DIGITS)."""
+    """The first pass's counts: experts (< EXPERT_DIGITS) and, BY_ROW, the rows' low digit (row % NUM_DIGITS)."""
     _zero_ready(ready_ptr, E + 1, READY_BLOCK)
     _store_counts(experts_ptr, 0, P, counts_ptr, num_blocks, BLOCK_P, EXPERT_DIGITS)
-    _store_counts(rows_ptr, 0, P, counts_ptr + stride_c, num_blocks, BLOCK_P, NUM_DIGITS)
+    if BY_ROW:
+        _store_counts(rows_ptr, 0, P, counts_ptr + stride_c, num_blocks, BLOCK_P, NUM_DIGITS)
 
 
 @triton.jit
@@ -388,21 +400,22 @@ def route_scatter_kernel(
     srows_ptr, sweights_ptr, spairs_ptr,  # out: [P] row, fp32 router weight, pair index by expert
     crows_ptr, cpairs_ptr,  # out: [P] row and pair index by the rows' low digit (then pair)
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, EXPERT_DIGITS: tl.constexpr, NUM_DIGITS: tl.constexpr,
-    USE_GDC: tl.constexpr,
+    BY_ROW: tl.constexpr, USE_GDC: tl.constexpr,
 ):
-    """The first pass: every pair to its place by expert and by row digit, both stable."""
+    """The first pass: every pair to its place by expert and, BY_ROW, by row digit, both stable."""
     if USE_GDC:  # the last routing launch when this pass sorts whole rows
         gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     valid = offs < P
     row = tl.load(rows_ptr + offs, mask=valid, other=0).to(tl.int32)
     by_expert = _destinations(experts_ptr, 0, P, starts_ptr, num_blocks, BLOCK_P, BLOCK_C, EXPERT_DIGITS)
-    by_row = _destinations(rows_ptr, 0, P, starts_ptr + stride_s, num_blocks, BLOCK_P, BLOCK_C, NUM_DIGITS)
     tl.store(spairs_ptr + by_expert, offs, mask=valid)
     tl.store(srows_ptr + by_expert, row, mask=valid)
     tl.store(sweights_ptr + by_expert, tl.load(weights_ptr + offs, mask=valid, other=0.0).to(tl.float32), mask=valid)
-    tl.store(cpairs_ptr + by_row, offs, mask=valid)
-    tl.store(crows_ptr + by_row, row, mask=valid)
+    if BY_ROW:
+        by_row = _destinations(rows_ptr, 0, P, starts_ptr + stride_s, num_blocks, BLOCK_P, BLOCK_C, NUM_DIGITS)
+        tl.store(cpairs_ptr + by_row, offs, mask=valid)
+        tl.store(crows_ptr + by_row, row, mask=valid)
 
 
 @triton.jit
@@ -431,25 +444,32 @@ def digit_scatter_kernel(
 
 
 @triton.jit
-def row_bounds_kernel(
-    crows_ptr, P, T, steps,  # [P] int32 rows in ascending order; steps >= bit_length(P)
-    rbounds_ptr,  # out: [T+1] int32, the first position of each row (P past the last)
-    BLOCK_T: tl.constexpr, USE_GDC: tl.constexpr,
-):
-    """rbounds[t] = first j with crows[j] >= t, by a binary search per t (for rows sorted in several passes,
-    whose last pass's starts are digit starts, not row starts)."""
-    if USE_GDC:
-        gdc_launch_dependents()
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    lo = tl.zeros([BLOCK_T], dtype=tl.int32)
-    hi = tl.zeros([BLOCK_T], dtype=tl.int32) + P
+def _row_starts(crows_ptr, P, offs_t, steps):
+    """[BT] first position j with crows[j] >= t for each t of offs_t (P past the last), crows [P] ascending: a
+    binary search per t, steps >= bit_length(P)."""
+    lo = tl.zeros(offs_t.shape, dtype=tl.int32)
+    hi = tl.zeros(offs_t.shape, dtype=tl.int32) + P
     for _ in range(steps):
         active = lo < hi
         mid = (lo + hi) // 2
         v = tl.load(crows_ptr + mid, mask=active, other=0)
         lo = tl.where(active & (v < offs_t), mid + 1, lo)
         hi = tl.where(active & (v >= offs_t), mid, hi)
-    tl.store(rbounds_ptr + offs_t, lo, mask=offs_t <= T)
+    return lo
+
+
+@triton.jit
+def row_bounds_kernel(
+    crows_ptr, P, T, steps,  # [P] rows in ascending order; steps >= bit_length(P)
+    rbounds_ptr,  # out: [T+1] int32, the first position of each row (P past the last)
+    BLOCK_T: tl.constexpr, USE_GDC: tl.constexpr,
+):
+    """rbounds[t] = first j with crows[j] >= t (for rows sorted in several passes, whose last pass's starts are
+    digit starts, not row starts; or given in ascending order)."""
+    if USE_GDC:
+        gdc_launch_dependents()
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tl.store(rbounds_ptr + offs_t, _row_starts(crows_ptr, P, offs_t, steps), mask=offs_t <= T)
 
 
 # ---- the grouped GEMMs -------------------------------------------------------------------------------
@@ -843,7 +863,7 @@ def combine_kernel(
     out_ptr, stride_ot,  # [T, H] fp32; rows without pairs keep the zeros gate_up wrote
     ready_ptr, E, gate_up_programs,  # [E+1] int32: ready[E] counts gate_up's finished programs
     H, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WAIT_GATE_UP: tl.constexpr,
-    USE_GDC: tl.constexpr,
+    PAIR_ORDER: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """out[t] = row t's pairs' rows summed in pair order, BLOCK_R at a time, split after split: a fixed
     order, no atomics.
@@ -851,7 +871,8 @@ def combine_kernel(
     Program (t, nb): row t's pairs are positions [rbounds[t], rbounds[t+1]) of cpairs. One program per
     row, not per position: no programs that only find they start no run.
     WAIT_GATE_UP: it waits for all of gate_up's programs (their zeros in out), which down's end no longer implies
-    when down waited per expert.
+    when down waited per expert. PAIR_ORDER: the pairs are in row order (rows ascending), position j is pair j
+    (cpairs unused).
     """
     if USE_GDC:
         gdc_wait()  # down's pair rows
@@ -867,7 +888,10 @@ def combine_kernel(
         for k in range(lo, hi, BLOCK_R):
             offs_k = k + tl.arange(0, BLOCK_R)  # [BR]
             mine = offs_k < hi
-            pairs = tl.load(cpairs_ptr + offs_k, mask=mine, other=0).to(tl.int64)
+            if PAIR_ORDER:
+                pairs = offs_k.to(tl.int64)
+            else:
+                pairs = tl.load(cpairs_ptr + offs_k, mask=mine, other=0).to(tl.int64)
             part = tl.load(part_ptr + sp * stride_ps + pairs[:, None] * stride_pp + offs_n[None, :],
                            mask=mine[:, None] & n_mask[None, :], other=0.0).to(tl.float32)  # [BR, BN]
             acc += tl.sum(part, axis=0)

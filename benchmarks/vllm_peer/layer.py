@@ -67,7 +67,8 @@ def vllm_int4(weights: Int4Weights, device: torch.device, dtype: torch.dtype) ->
 
 
 class VllmTritonMoe:
-    """Called like a PreparedExperts; pairs must be row-major with top_k per row (bench_kernel's problems)."""
+    """Called like a PreparedExperts; pairs must be row-major with top_k per row (bench_kernel's problems), so
+    rows_ascending holds whatever the caller says."""
 
     def __init__(self, weights: W4A16ExpertWeights, top_k: int, device: torch.device,
                  config: dict[str, int] | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -76,7 +77,7 @@ class VllmTritonMoe:
         self.group = weights.w13.group_size
         self.num_experts, self.top_k, self.config = weights.num_experts, top_k, config
 
-    def __call__(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
+    def __call__(self, hidden, pair_rows, pair_experts, pair_weights, *, rows_ascending=True) -> torch.Tensor:
         t, k = hidden.shape[0], self.top_k
         x = hidden.to(self.s1.dtype).contiguous()
         topk_ids = pair_experts.view(t, k)

@@ -82,8 +82,13 @@ class PreparedExperts(ABC):
         pair_rows: torch.Tensor,
         pair_experts: torch.Tensor,
         pair_weights: torch.Tensor,
+        *,
+        rows_ascending: bool = False,
     ) -> torch.Tensor:
-        """hidden [T, H] float, pair_rows/pair_experts [P] int, pair_weights [P] float -> [T, H] float32."""
+        """hidden [T, H] float, pair_rows/pair_experts [P] int, pair_weights [P] float -> [T, H] float32.
+
+        rows_ascending: the caller's promise that pair_rows never decrease (a hint: a backend that groups
+        the pairs by row may skip that sort; the result is the same either way)."""
 
     def forward_frame(self, payload: int, dtype: int, rows: int, pairs: int, first: int, out: int) -> bool:
         """A FORWARD frame's request computed from the frame's bytes (protos/frames.py; payload:

@@ -68,7 +68,7 @@ class _CpuExperts(PreparedExperts):
         self.w13 = _Int4Projection(weights.w13)
         self.w2 = _Int4Projection(weights.w2)
 
-    def __call__(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
+    def __call__(self, hidden, pair_rows, pair_experts, pair_weights, *, rows_ascending=False) -> torch.Tensor:
         x = hidden.to(COMPUTE_DTYPE)  # [T, H]
         out = torch.zeros(hidden.shape[0], self.hidden_size, dtype=torch.float32)
         groups = PairsByExpert.group(pair_experts, self.num_experts)

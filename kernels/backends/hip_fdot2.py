@@ -74,7 +74,7 @@ class _Fdot2Experts(PreparedExperts):
         self.w2 = weights.w2.packed.to(device).contiguous()
         self.s2 = weights.w2.scales.to(device=device, dtype=torch.float32).contiguous()
 
-    def __call__(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
+    def __call__(self, hidden, pair_rows, pair_experts, pair_weights, *, rows_ascending=False) -> torch.Tensor:
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         num_pairs, num_rows = pair_rows.numel(), hidden.shape[0]
         x = hidden.to(torch.float16).contiguous()  # [T, H]

@@ -30,7 +30,7 @@ class _Reference(PreparedExperts):
         self.weights = weights
         self.activation = activation
 
-    def __call__(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
+    def __call__(self, hidden, pair_rows, pair_experts, pair_weights, *, rows_ascending=False) -> torch.Tensor:
         return moe_experts_w4a16_reference(
             hidden, pair_rows, pair_experts, pair_weights, self.weights, self.activation
         )
@@ -64,7 +64,7 @@ class DenseReference(PreparedExperts):
                                              ctypes.addressof(self._w2t_ptrs), self.hidden_size, self.intermediate,
                                              self.num_experts, self._act_code)  # fmt: skip
 
-    def __call__(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
+    def __call__(self, hidden, pair_rows, pair_experts, pair_weights, *, rows_ascending=False) -> torch.Tensor:
         if hidden.device.type != "cpu":
             return moe_sum(hidden, pair_rows, pair_experts, pair_weights, self.hidden_size,
                            lambda e: (self.w13t[e].t(), self.w2t[e].t()), self.activation)  # fmt: skip

@@ -55,6 +55,16 @@ ROUTE_COMPARE_BLOCK = 32  # pairs a counting program compares its own with per s
 # rounds); Mixtral's decode within its spread in that run (208-238 us both ways). The sort program signalling its
 # dependents at its start changed nothing (within 0.5 us).
 ROUTE_SCAN_MAX_WORK = 1 << 22
+# Rows given in ascending order (only the experts ranked, each program scanning every pair twice): one ranking
+# launch up to this many pairs, else counting by expert alone. H200, 2026-12-05, graph us of the routing alone,
+# best of three interleaved rounds, rows sorted too (as before) -> ascending, ranked / counted: Qwen3 at M = 1 / 16 /
+# 32 / 64 5.0 / 6.8 / 20.5 / 20.6 -> 4.2 / 6.2 / 9.7 / 17.3 ranked, 17.8 / 20.9 / 23.8 / 25.5 counted; at M = 128
+# / 256 / 1024 35.7 / 40.0 / 70.6 -> 31.5 / 64.6 / 256.1 ranked, 27.4 / 29.5 / 45.5 counted; Mixtral at M = 256 /
+# 1024 (2048 / 8192 pairs) 10.5 / 31.2 -> 6.4 / 33.1 ranked, 19.3 / 21.2 counted (the ranking's row bounds then
+# took a program per row, since ROW_BOUNDS_BLOCK rows each). The whole layer, Qwen3 at M = 32 / 64 / 128 / 256 /
+# 1024: 178.9 / 244.3 / 405.0 / 741.9 / 2829.1 -> 165.9 / 237.1 ranked, 392.8 / 726.0 / 2826.9 counted; M = 1-16
+# and Mixtral within 1 us or the run's spread.
+ROUTE_SCAN_MAX_PAIRS_ASCENDING = 8192
 ROUTE_SCAN_PROGRAMS = 1024  # ranking: the fewest keys per program that keep the programs this few (512: within 1 us)
 ROUTE_SCAN_ELEMENTS = 4096  # pairs x keys a ranking program compares per step (2048 / 8192: within 1 us)
 
@@ -329,15 +339,16 @@ class Routes:
     By expert (position s): expert e owns s in [bounds[e], bounds[e+1]); rows, router and pairs
     give each position's row, fp32 router weight and pair index. By row (position j): crows and
     cpairs, sorted by (row, pair index), the order combine_kernel adds a row's pairs in; row t owns
-    j in [row_bounds[t], row_bounds[t+1]).
+    j in [row_bounds[t], row_bounds[t+1]). cpairs None: the rows were given in ascending order, so
+    pair order is that order (crows: the given rows, position j: pair j).
     """
 
     bounds: torch.Tensor  # [E+1] int32, a strided view (kernels take its stride)
     rows: torch.Tensor  # [P] int32
     router: torch.Tensor  # [P] fp32
     pairs: torch.Tensor  # [P] int32
-    crows: torch.Tensor  # [P] int32
-    cpairs: torch.Tensor  # [P] int32
+    crows: torch.Tensor  # [P] int32 (the given rows where cpairs is None)
+    cpairs: torch.Tensor | None  # [P] int32
     row_bounds: torch.Tensor  # [T+1] int32, a strided view
     ready: torch.Tensor  # [E+1] int32, zeroed by the routing: gate_up's finished act tiles per expert, its programs
 
@@ -348,6 +359,12 @@ class TritonProjection:
 
     Np, Kp: N, K rounded up to block_n, block_k (`parts` > 1: each of that many equal row ranges,
     gate and up, padded separately); padded weights are 0 with scale 0.
+    The scales stay fp32 even where a checkpoint's are 16-bit. Stored in bf16 (the same values, the
+    layer's bytes 3% fewer at group 128), the kernels were slower (H200, Triton 3.6, 2026-12-05, graph
+    us, best of three interleaved rounds, bench_kernel's layers with bf16-exact scales): Qwen3 at M = 1 /
+    8 / 64 / 1024 85.8 / 93.8 / 244.0 / 2837 -> 97.5 / 99.5 / 263.0 / 2976, Mixtral at M = 1 / 64
+    197.6 / 407.0 -> 221.4 / 577.2; why (the 2-byte loads of a [BN] scale vector not pipelined?), not
+    established.
     """
 
     w: torch.Tensor
@@ -407,7 +424,7 @@ class TritonExperts(PreparedExperts):
         other.config = config
         return other
 
-    def route(self, pair_rows, pair_experts, pair_weights, num_rows: int) -> Routes:
+    def route(self, pair_rows, pair_experts, pair_weights, num_rows: int, rows_ascending: bool = False) -> Routes:
         """Pairs grouped by expert and by row (rows in [0, num_rows)), both stable.
 
         Up to ROUTE_SCAN_MAX_WORK (experts + rows) x pairs: one launch ranks them (scan_route_kernel;
@@ -415,31 +432,45 @@ class TritonExperts(PreparedExperts):
         launches: the first pass by expert and by the row's low digit at once (the whole row up to
         WHOLE_ROW_BITS bits), then LSD passes of up to RADIX_BITS bits for the rest of the row, and a
         binary search for the row bounds.
+        rows_ascending (the caller's promise that pair_rows never decrease): the rows are not sorted, only
+        searched for their bounds; the experts are ranked up to ROUTE_SCAN_MAX_PAIRS_ASCENDING pairs, else counted.
         """
         e, p, dev = self.num_experts, pair_rows.numel(), pair_rows.device
-        pairs, rows, crows, cpairs = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(4))
+        pairs, rows = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(2))
+        if rows_ascending:
+            crows, cpairs = pair_rows, None
+        else:
+            crows, cpairs = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(2))
         router = torch.empty(p, dtype=torch.float32, device=dev)
         ready = torch.empty(e + 1, dtype=torch.int32, device=dev)  # zeroed by the first routing launch
-        if (e + num_rows) * p <= ROUTE_SCAN_MAX_WORK:
+        if rows_ascending:
+            ranked = p <= ROUTE_SCAN_MAX_PAIRS_ASCENDING
+        else:
+            ranked = (e + num_rows) * p <= ROUTE_SCAN_MAX_WORK
+        if ranked:
             keys = 1
-            while _cdiv(e, keys) + _cdiv(num_rows, keys) > ROUTE_SCAN_PROGRAMS:
+            while _cdiv(e, keys) + (0 if rows_ascending else _cdiv(num_rows, keys)) > ROUTE_SCAN_PROGRAMS:
                 keys *= 2
             bounds = torch.empty(e + 1, dtype=torch.int32, device=dev)
             row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=dev)
-            self.kernels.scan_route_kernel[(_cdiv(e, keys) + _cdiv(num_rows, keys),)](
-                pair_experts, pair_rows, pair_weights, p, e, num_rows, bounds, rows, router, pairs, crows, cpairs,
-                row_bounds, ready, BLOCK_P=max(16, min(_next_pow2(p), ROUTE_SCAN_ELEMENTS // keys)), KEYS=keys,
-                READY_BLOCK=READY_BLOCK, USE_GDC=has_dependent_launch(dev), num_warps=4,
+            row_keys = ROW_BOUNDS_BLOCK if rows_ascending else keys
+            row_programs = _cdiv(num_rows + 1, row_keys) if rows_ascending else _cdiv(num_rows, keys)
+            self.kernels.scan_route_kernel[(_cdiv(e, keys) + row_programs,)](
+                pair_experts, pair_rows, pair_weights, p, e, num_rows, p.bit_length(), bounds, rows, router, pairs,
+                crows, pairs if cpairs is None else cpairs, row_bounds, ready,
+                BLOCK_P=max(16, min(_next_pow2(p), ROUTE_SCAN_ELEMENTS // keys)), KEYS=keys, READY_BLOCK=READY_BLOCK,
+                ROWS_ASCENDING=rows_ascending, ROW_KEYS=row_keys, USE_GDC=has_dependent_launch(dev), num_warps=4,
             )
             return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds, ready)
         row_bits = max(1, (num_rows - 1).bit_length())
         expert_digits = max(2, _next_pow2(e))
-        row_digits = max(2, 1 << (row_bits if row_bits <= WHOLE_ROW_BITS else RADIX_BITS))
+        row_digits = 0 if rows_ascending else max(2, 1 << (row_bits if row_bits <= WHOLE_ROW_BITS else RADIX_BITS))
         block_p, blocks = self._blocks(p, max(expert_digits, row_digits))
-        counts = torch.empty(2, 1 + max(expert_digits, row_digits) * blocks, dtype=torch.int32, device=dev)
+        counts = torch.empty(1 + bool(row_digits), 1 + max(expert_digits, row_digits) * blocks, dtype=torch.int32,
+                             device=dev)
         self.kernels.route_count_kernel[(blocks,)](
             pair_experts, pair_rows, p, counts, counts.stride(0), blocks, ready, e, BLOCK_P=block_p,
-            EXPERT_DIGITS=expert_digits, NUM_DIGITS=row_digits, READY_BLOCK=READY_BLOCK,
+            EXPERT_DIGITS=expert_digits, NUM_DIGITS=max(2, row_digits), READY_BLOCK=READY_BLOCK, BY_ROW=bool(row_digits),
         )
         # Integer cumsums (the same sums in any order), a 1-D scan per order over its own digits' counts: torch's scan
         # along the rows of the [2, N] tensor took 330 us against 11 for two 1-D scans at N = 262145 (Qwen3, M = 1024;
@@ -448,14 +479,17 @@ class TritonExperts(PreparedExperts):
         # 78.1 -> 19.9 / 35.6 / 39.2 / 73.6, the layer at M = 64 272.2 -> 267.0; Mixtral at M = 256 / 1024 10.4 /
         # 34.7 -> 10.5 / 32.6).
         starts = torch.empty_like(counts)
-        for order, used in enumerate((1 + expert_digits * blocks, 1 + row_digits * blocks)):
+        for order, used in enumerate((1 + expert_digits * blocks, 1 + row_digits * blocks)[: counts.shape[0]]):
             torch.cumsum(counts[order, :used], 0, dtype=torch.int32, out=starts[order, :used])
         self.kernels.route_scatter_kernel[(blocks,)](
             pair_experts, pair_rows, pair_weights, p, starts, starts.stride(0), blocks,
-            rows, router, pairs, crows, cpairs, BLOCK_P=block_p, BLOCK_C=ROUTE_COMPARE_BLOCK,
-            EXPERT_DIGITS=expert_digits, NUM_DIGITS=row_digits, USE_GDC=has_dependent_launch(dev),
+            rows, router, pairs, crows, pairs if cpairs is None else cpairs, BLOCK_P=block_p,
+            BLOCK_C=ROUTE_COMPARE_BLOCK, EXPERT_DIGITS=expert_digits, NUM_DIGITS=max(2, row_digits),
+            BY_ROW=bool(row_digits), USE_GDC=has_dependent_launch(dev),
         )
         bounds = starts[0, ::blocks][: e + 1]  # [E+1] int32, strided: expert d's run starts at block 0's start
+        if rows_ascending:
+            return Routes(bounds, rows, router, pairs, crows, cpairs, self._row_bounds(crows, num_rows), ready)
         done = row_digits.bit_length() - 1  # row bits the first pass sorted by
         passes = _cdiv(max(0, row_bits - done), RADIX_BITS)
         width = _cdiv(row_bits - done, passes) if passes else 0
@@ -463,12 +497,17 @@ class TritonExperts(PreparedExperts):
             return Routes(bounds, rows, router, pairs, crows, cpairs, starts[1, ::blocks][: num_rows + 1], ready)
         for i in range(passes):
             crows, cpairs = self._row_pass(crows, cpairs, done + i * width, 1 << width)
-        row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=dev)
+        return Routes(bounds, rows, router, pairs, crows, cpairs, self._row_bounds(crows, num_rows), ready)
+
+    def _row_bounds(self, crows: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """[num_rows + 1] int32: each row's first position in crows [P] (ascending), by a binary search per row."""
+        p = crows.numel()
+        row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=crows.device)
         self.kernels.row_bounds_kernel[(_cdiv(num_rows + 1, ROW_BOUNDS_BLOCK),)](
-            crows, p, num_rows, p.bit_length(), row_bounds, BLOCK_T=ROW_BOUNDS_BLOCK, USE_GDC=has_dependent_launch(dev),
-            num_warps=4,
+            crows, p, num_rows, p.bit_length(), row_bounds, BLOCK_T=ROW_BOUNDS_BLOCK,
+            USE_GDC=has_dependent_launch(crows.device), num_warps=4,
         )
-        return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds, ready)
+        return row_bounds
 
     @staticmethod
     def _blocks(p: int, digits: int) -> tuple[int, int]:
@@ -490,14 +529,14 @@ class TritonExperts(PreparedExperts):
         )
         return rows_out, pairs_out
 
-    def __call__(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
+    def __call__(self, hidden, pair_rows, pair_experts, pair_weights, *, rows_ascending: bool = False) -> torch.Tensor:
         x = hidden if hidden.dtype in (torch.float16, torch.bfloat16) else hidden.to(torch.bfloat16)
         x = x.contiguous()  # [T, H]
         num_pairs = pair_rows.numel()
         if num_pairs == 0:
             return torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
         cfg = self.config or TritonConfig.for_load(num_pairs, self.num_experts)
-        routes = self.route(pair_rows, pair_experts, pair_weights, x.shape[0])
+        routes = self.route(pair_rows, pair_experts, pair_weights, x.shape[0], rows_ascending)
         act, out = self.gate_up(x, routes, cfg)
         self.combine(self.down(act, routes, cfg), routes, out, cfg)
         return out
@@ -574,9 +613,11 @@ class TritonExperts(PreparedExperts):
         untouched). Waits for all of gate_up's programs (its zeros in out) in routes.ready."""
         h = self.hidden_size
         self.kernels.combine_kernel[(out.shape[0], _cdiv(h, COMBINE_BLOCK_N))](
-            part, part.stride(0), part.stride(1), routes.cpairs, routes.row_bounds, routes.row_bounds.stride(0),
+            part, part.stride(0), part.stride(1), routes.pairs if routes.cpairs is None else routes.cpairs,
+            routes.row_bounds, routes.row_bounds.stride(0),
             out, out.stride(0), routes.ready, self.num_experts, self._gate_up_grid(routes.rows.numel(), cfg)[2], h,
             BLOCK_R=COMBINE_BLOCK_R, BLOCK_N=COMBINE_BLOCK_N, SPLITS=part.shape[0], WAIT_GATE_UP=cfg.wait_per_expert,
+            PAIR_ORDER=routes.cpairs is None,
             **_launch_options(cfg, part, num_warps=COMBINE_WARPS),
         )
 

@@ -183,22 +183,27 @@ def test_triton_model_shape(cuda, rel_error, tokens):
     "experts,pairs", [(128, 1), (128, 256), (128, 1024), (128, 3000), (6, 37), (3, 5000), (128, 9000), (256, 70000)]
 )
 # up to (experts + rows) * pairs = 2^22 one ranking launch (1 or more keys per program, one or two steps over the
-# pairs at 1000 rows); counting: one, two (1000, 1 << 14), three passes by row
+# pairs at 1000 rows); counting: one, two (1000, 1 << 14), three passes by row. Ascending rows: the experts ranked
+# up to 8192 pairs, else counted
 @pytest.mark.parametrize("num_rows", [1, 1000, 1 << 14, 1 << 20])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
-def test_triton_route(cuda, experts, pairs, num_rows, index_dtype):
+@pytest.mark.parametrize("rows_ascending", [False, True])
+def test_triton_route(cuda, experts, pairs, num_rows, index_dtype, rows_ascending):
     """Pairs grouped by expert and by row, both stable (one ranking launch up to
     ROUTE_SCAN_MAX_WORK, counting sorts above): exactly torch's stable sorts, so the positions
-    depend only on the inputs."""
+    depend only on the inputs. Rows given in ascending order: by expert the same, by row the pairs' own order."""
     gen = torch.Generator().manual_seed(pairs)
     pair_experts = torch.randint(0, experts, (pairs,), generator=gen)
     if experts == 6:
         pair_experts = pair_experts % 2 * 3  # empty experts between full ones
     pair_rows = torch.randint(0, num_rows, (pairs,), generator=gen)
+    if rows_ascending:
+        pair_rows = pair_rows.sort().values
     pair_weights = torch.rand(pairs, generator=gen)
     prepared = TritonExperts(make_problem(experts, 64, 32, 32, 1).weights, "silu", cuda)  # smallest layer
     routes = prepared.route(
-        pair_rows.to(cuda, index_dtype), pair_experts.to(cuda, index_dtype), pair_weights.to(cuda), num_rows
+        pair_rows.to(cuda, index_dtype), pair_experts.to(cuda, index_dtype), pair_weights.to(cuda), num_rows,
+        rows_ascending,
     )
     expected = torch.cat([torch.zeros(1, dtype=torch.long), torch.bincount(pair_experts, minlength=experts).cumsum(0)])
     assert torch.equal(routes.bounds.cpu().long(), expected)
@@ -208,7 +213,10 @@ def test_triton_route(cuda, experts, pairs, num_rows, index_dtype):
     assert torch.equal(routes.router.cpu(), pair_weights[by_expert])
     by_row = torch.sort(pair_rows, stable=True)
     assert torch.equal(routes.crows.cpu().long(), by_row.values)
-    assert torch.equal(routes.cpairs.cpu().long(), by_row.indices)
+    if rows_ascending:
+        assert routes.cpairs is None  # position j is pair j
+    else:
+        assert torch.equal(routes.cpairs.cpu().long(), by_row.indices)
     row_counts = torch.bincount(pair_rows, minlength=num_rows)
     starts = torch.cat([torch.zeros(1, dtype=torch.long), row_counts.cumsum(0)])  # row t: [starts[t], starts[t+1])
     assert torch.equal(routes.row_bounds.cpu().long(), starts)

@@ -99,3 +99,17 @@ def test_triton_dependent_launch_changes_no_bit(cuda, rows, experts, top_k):
     for run in range(RUNS):
         differ = (dependent(*args) != expected).sum().item()
         assert differ == 0, f"call {run} with dependent launches differs in {differ} of {expected.numel()} elements"
+
+
+@pytest.mark.gpu
+# sorting the rows too, or not: ranking either way; counting, or ranking the experts alone; counting either way
+@pytest.mark.parametrize("rows", [1, 16, 1000, 20000])
+def test_triton_rows_ascending_changes_no_bit(cuda, rows):
+    """The promise that the rows ascend only spares sorting them: the bits the call gives without it."""
+    weights, args = _problem(rows)
+    args = tuple(a.to(cuda) for a in args)
+    experts = create_backend("triton").prepare(weights, "silu", cuda)
+    expected = experts(*args)
+    for run in range(RUNS):
+        differ = (experts(*args, rows_ascending=True) != expected).sum().item()
+        assert differ == 0, f"call {run} with ascending rows differs in {differ} of {expected.numel()} elements"

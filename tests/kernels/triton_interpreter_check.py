@@ -12,17 +12,20 @@ from kernels.quant import Int4Weights, W4A16ExpertWeights, pack_int4
 from kernels.reference import moe_experts_w4a16_reference
 
 
-def check_route(experts: int, pairs: int, num_rows: int, gen: torch.Generator) -> None:
+def check_route(experts: int, pairs: int, num_rows: int, gen: torch.Generator, rows_ascending: bool) -> None:
     """Both routings give exactly torch's stable sorts: one ranking launch and, above
-    ROUTE_SCAN_MAX_WORK, counting (several blocks; by row one pass, or two past 8 row bits)."""
+    ROUTE_SCAN_MAX_WORK, counting (several blocks; by row one pass, or two past 8 row bits). Rows given in
+    ascending order are only searched: by row, position j is pair j."""
     pair_experts = torch.randint(0, experts, (pairs,), generator=gen)
     pair_rows = torch.randint(0, num_rows, (pairs,), generator=gen)
+    if rows_ascending:
+        pair_rows = pair_rows.sort().values
     pair_weights = torch.rand(pairs, generator=gen)
     def int4(n: int, k: int) -> Int4Weights:  # values unused: routing only
         return Int4Weights(pack_int4(torch.zeros(experts, n, k, dtype=torch.long)), torch.ones(experts, n, 1), k)
 
     prepared = TritonExperts(W4A16ExpertWeights(int4(64, 32), int4(32, 32)), "silu", torch.device("cpu"))
-    routes = prepared.route(pair_rows, pair_experts, pair_weights, num_rows)
+    routes = prepared.route(pair_rows, pair_experts, pair_weights, num_rows, rows_ascending)
     counts = torch.bincount(pair_experts, minlength=experts)
     assert torch.equal(routes.bounds.long(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
     by_expert = torch.sort(pair_experts, stable=True).indices
@@ -31,7 +34,10 @@ def check_route(experts: int, pairs: int, num_rows: int, gen: torch.Generator) -
     assert torch.equal(routes.router, pair_weights[by_expert])
     by_row = torch.sort(pair_rows, stable=True)
     assert torch.equal(routes.crows.long(), by_row.values)
-    assert torch.equal(routes.cpairs.long(), by_row.indices)
+    if rows_ascending:
+        assert routes.cpairs is None
+    else:
+        assert torch.equal(routes.cpairs.long(), by_row.indices)
     row_counts = torch.bincount(pair_rows, minlength=num_rows)
     starts = torch.cat([torch.zeros(1, dtype=torch.long), row_counts.cumsum(0)])  # row t: [starts[t], starts[t+1])
     assert torch.equal(routes.row_bounds.long(), starts)
@@ -44,12 +50,14 @@ def main() -> None:
     # 8-bit digits: one more pass by row; two more)
     ranked = [(6, 37, 50), (4, 50, 5000), (3, 600, 1 << 9), (128, 3000, 1000)]
     counted = [(128, 1500, 200), (128, 1500, 1000), (128, 9000, 1 << 12), (128, 3000, 1 << 17)]
-    for experts, pairs, num_rows in ranked:
-        check_route(experts, pairs, num_rows, gen)
-    scan_max_work, triton_moe.ROUTE_SCAN_MAX_WORK = triton_moe.ROUTE_SCAN_MAX_WORK, 0
-    for experts, pairs, num_rows in counted:
-        check_route(experts, pairs, num_rows, gen)
-    triton_moe.ROUTE_SCAN_MAX_WORK = scan_max_work
+    for rows_ascending in (False, True):
+        for experts, pairs, num_rows in ranked:
+            check_route(experts, pairs, num_rows, gen, rows_ascending)
+        limits = triton_moe.ROUTE_SCAN_MAX_WORK, triton_moe.ROUTE_SCAN_MAX_PAIRS_ASCENDING
+        triton_moe.ROUTE_SCAN_MAX_WORK = triton_moe.ROUTE_SCAN_MAX_PAIRS_ASCENDING = 0
+        for experts, pairs, num_rows in counted:
+            check_route(experts, pairs, num_rows, gen, rows_ascending)
+        triton_moe.ROUTE_SCAN_MAX_WORK, triton_moe.ROUTE_SCAN_MAX_PAIRS_ASCENDING = limits
     # (experts, hidden, inter, group, tokens per expert, rows, config); rows None = 2 * tokens + 1. First: partial
     # N tiles; second: 2 M tiles, gelu; third: all 20 pairs on one row, so the combine adds more than one window
     # (COMBINE_BLOCK_R = 8) of a row's pairs; fourth: main's decode grid (a program per expert and column block walks
@@ -73,7 +81,7 @@ def main() -> None:
         (2, 192, 192, 64, 17, None, TritonConfig(tiles_gate_up=3), "silu"),
         (3, 160, 160, 32, 70, None, replace(prefill, bf16_pair_rows=False), "silu"),
     ]
-    for experts, hidden, inter, group, tokens, rows, config, activation in cases:
+    for i, (experts, hidden, inter, group, tokens, rows, config, activation) in enumerate(cases):
         def int4(n: int, k: int) -> Int4Weights:
             q = torch.randint(0, 16, (experts, n, k), generator=gen)
             return Int4Weights(pack_int4(q), torch.randn(experts, n, k // group, generator=gen) * 0.05, group)
@@ -84,11 +92,17 @@ def main() -> None:
         pair_experts = torch.arange(experts).repeat_interleave(tokens)
         pair_weights = torch.rand(pair_rows.numel(), generator=gen)
         x = torch.randn(rows, hidden, generator=gen).to(torch.float16)
-        out = TritonExperts(weights, activation, torch.device("cpu"), config)(x, pair_rows, pair_experts, pair_weights)
+        prepared = TritonExperts(weights, activation, torch.device("cpu"), config)
+        out = prepared(x, pair_rows, pair_experts, pair_weights)
         ref = moe_experts_w4a16_reference(x, pair_rows, pair_experts, pair_weights, weights, activation)
         err = (out - ref).abs().max().item() / ref.abs().max().item()
         assert err < 1e-2, f"case {experts, hidden, inter, group, tokens}: relative error {err}"
-    print("checked", len(cases), "cases and", len(ranked) + len(counted), "routings")
+        if i in (2, 4):  # the combine over more than one window of a row's pairs; the prefill path
+            # the pairs in row order (stable): the same bits with and without the promise that the rows ascend
+            order = torch.sort(pair_rows, stable=True).indices
+            in_row_order = (x, pair_rows[order], pair_experts[order], pair_weights[order])
+            assert torch.equal(prepared(*in_row_order, rows_ascending=True), prepared(*in_row_order))
+    print("checked", len(cases), "cases and", 2 * (len(ranked) + len(counted)), "routings")
 
 
 if __name__ == "__main__":
