@@ -200,3 +200,21 @@ def test_a_request_computed_from_its_frame_has_the_decoded_requests_bits(model_d
         decoded, in_place, _ = both_ways(rows, experts)
         assert in_place.header.kind == decoded.header.kind == Kind.ERROR
         assert bytes(in_place.payload) == bytes(decoded.payload) and match in bytes(in_place.payload).decode()
+
+
+def test_a_request_says_whether_its_rows_ascend(model_dir):
+    """The attention node sends pairs in token order; the worker checks it on the host and tells the kernels
+    (PreparedExperts' rows_ascending), so a GPU backend need not sort the pairs by row again. Pairs out of
+    order are served all the same, without the promise."""
+    ckpt, cpu = read_checkpoint(model_dir("qwen3_moe")), torch.device("cpu")
+    placement = Placement(ckpt.num_experts, NUM_WORKERS)
+    start, end = placement.shard_range(1)
+    shards = [HeldShard(s, e, load_shard(ckpt, s, e, cpu, "checkpoint", None, 128)) for s, e in placement.worker_ranges(1)]
+    experts = LocalExperts(ckpt, shards, cpu)
+    x = torch.randn(3, ckpt.hidden_size)
+    for rows, ascending in (([0], True), ([0, 0, 2], True), ([2, 0, 1], False), ([0, 2, 1], False)):
+        pair_experts = torch.arange(start, start + len(rows), dtype=torch.int32) % (end - start) + start
+        batch = experts.make_batch(ckpt.moe_layers[0], x, torch.tensor(rows, dtype=torch.int32), pair_experts,
+                                   torch.full((len(rows),), 0.5))
+        assert [g.rows_ascending for g in batch.groups] == [ascending], rows
+        assert experts.forward(batch).abs().max() > 0
