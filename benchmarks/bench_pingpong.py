@@ -4,13 +4,14 @@
                                         [--cpus split|shared] [--context 3876] [--preset tiny|deep]
 
 The cluster on the embedded tiny model (4 MoE layers, compiled; --preset deep: its 16-layer twin),
-loopback only; a batch of B requests with one long prompt (--context tokens, by default the most
-the model allows, so that attention is a real part of the attention node's time) decodes
-together. On this CPU machine the experts cost next to nothing, so the workers emulate pool B
-with their benchmark-only reply delay (--bench-reply-delay-ms/-us-per-row: each Forward reply
-leaves that much later while the worker takes the next request; printed with every figure). A
-first run without delays measures the attention node's busy time per MoE layer (a) and the
-remote time this machine adds by itself (own: transport and the workers' CPU). Two regimes:
+loopback only; a batch of B requests with one long prompt (--context tokens, by default 3876, the
+most the tiny model allows; deep allows 16384: attention is then a real part of the attention
+node's time) decodes together. On this CPU machine the experts cost next to nothing, so the
+workers emulate pool B with their benchmark-only reply delay (--bench-reply-delay-ms/-us-per-row:
+each Forward reply leaves that much later while the worker takes the next request; printed with
+every figure). A first run without delays measures the attention node's busy time per MoE layer
+(a) and the remote time this machine adds by itself (own: transport and the workers' CPU). Two
+regimes:
 
 - expert ≈ attention: a per-row delay that brings the busiest worker's remote time to a (a
   micro-batch's experts then cost what its attention costs: m = 2 can hide one behind the
@@ -375,7 +376,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=128, help="requests decoding together (enough for attention to be a real part of a step)")
     p.add_argument("--microbatches", default="1,2,3,4,auto")
     p.add_argument("--context", type=int, default=CONTEXT,
-                   help="prompt tokens of the batch's requests (the model allows 4096 with the decoded ones)")
+                   help="prompt tokens of the batch's requests (with the decoded ones, the tiny model allows 4096, "
+                   "deep 16384)")
     p.add_argument("--preset", choices=("tiny", "deep"), default="tiny",
                    help="tiny: the embedded model (4 layers); deep: its 16-layer twin (tiny_models)")  # fmt: skip
     p.add_argument("--workers", type=int, default=8, help="expert workers (each costs this machine CPU per request)")
@@ -393,6 +395,9 @@ def main() -> None:
     model = tiny_models.make("qwen3_moe", model_dir, preset=a.preset)
     ckpt = read_checkpoint(model)
     layers = len(ckpt.moe_layers)
+    if a.context + DECODE_TOKENS > (limit := read_model_config(model).max_position_embeddings):
+        p.error(f"--context {a.context} + {DECODE_TOKENS} decoded tokens is more than the {a.preset} model's "
+                f"{limit} positions")
     prompt = long_prompt(model, a.context)
     serve_args = vllm_args(model, a.context, a.batch)
     cluster = Cluster(model, logs, a.workers, split_cpus=a.cpus == "split", vllm_args=serve_args)

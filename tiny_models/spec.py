@@ -155,8 +155,9 @@ def _skewed(arch: str) -> ModelSpec:
 def _deep(arch: str) -> ModelSpec:
     """The tiny model with 16 layers instead of 4, for `make bench-pingpong ARGS="--preset deep"`: what a step costs
     once (sampling, ping-pong's fill and drain) spreads over more layers, as in real MoE models
-    (Mixtral 32, Qwen3-30B-A3B 48)."""
-    return dataclasses.replace(_tiny(arch), preset="deep", num_layers=16)
+    (Mixtral 32, Qwen3-30B-A3B 48); and positions up to 16384 (the bench's --context), where a layer's attention
+    outweighs what each micro-batch costs the attention node by itself, as on a GPU."""
+    return dataclasses.replace(_tiny(arch), preset="deep", num_layers=16, max_position_embeddings=16384)
 
 
 def spec_for(arch: str, preset: str = "tiny") -> ModelSpec:
