@@ -477,11 +477,11 @@ def main() -> None:
         "cpus": cpus,
     }
     a.out.write_text(json.dumps(result, indent=2))
-    plot(points, a.out.with_suffix(".png"))
+    plot(points, a.out.with_suffix(".png"), f"ping-pong, {a.preset} model, {layers} MoE layers, {context}-token prompt")
     print(f"\nwrote {a.out} and {a.out.with_suffix('.png')}")
 
 
-def plot(points: list[Point], path: Path) -> None:
+def plot(points: list[Point], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -503,7 +503,7 @@ def plot(points: list[Point], path: Path) -> None:
     ax.set_xticks(sorted({pt.microbatches for pt in points if pt.microbatches is not None}))
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
-    ax.set_title("ping-pong on the tiny model (CPU, emulated pool B)")
+    ax.set_title(f"{title}\n(CPU, emulated pool B)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
