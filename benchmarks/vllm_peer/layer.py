@@ -77,7 +77,7 @@ class VllmTritonMoe:
         self.group = weights.w13.group_size
         self.num_experts, self.top_k, self.config = weights.num_experts, top_k, config
 
-    def __call__(self, hidden, pair_rows, pair_experts, pair_weights, *, rows_ascending=True) -> torch.Tensor:
+    def __call__(self, hidden, pair_rows, pair_experts, pair_weights, *, rows_ascending=False) -> torch.Tensor:
         t, k = hidden.shape[0], self.top_k
         x = hidden.to(self.s1.dtype).contiguous()
         topk_ids = pair_experts.view(t, k)

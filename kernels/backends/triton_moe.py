@@ -448,13 +448,14 @@ class TritonExperts(PreparedExperts):
         else:
             ranked = (e + num_rows) * p <= ROUTE_SCAN_MAX_WORK
         if ranked:
+            ranked_rows = 0 if rows_ascending else num_rows  # rows ranked beside the experts
             keys = 1
-            while _cdiv(e, keys) + (0 if rows_ascending else _cdiv(num_rows, keys)) > ROUTE_SCAN_PROGRAMS:
+            while _cdiv(e, keys) + _cdiv(ranked_rows, keys) > ROUTE_SCAN_PROGRAMS:
                 keys *= 2
             bounds = torch.empty(e + 1, dtype=torch.int32, device=dev)
             row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=dev)
-            row_keys = ROW_BOUNDS_BLOCK if rows_ascending else keys
-            row_programs = _cdiv(num_rows + 1, row_keys) if rows_ascending else _cdiv(num_rows, keys)
+            row_keys, row_programs = ((ROW_BOUNDS_BLOCK, _cdiv(num_rows + 1, ROW_BOUNDS_BLOCK)) if rows_ascending
+                                      else (keys, _cdiv(num_rows, keys)))  # fmt: skip
             self.kernels.scan_route_kernel[(_cdiv(e, keys) + row_programs,)](
                 pair_experts, pair_rows, pair_weights, p, e, num_rows, p.bit_length(), bounds, rows, router, pairs,
                 crows, pairs if cpairs is None else cpairs, row_bounds, ready,
@@ -464,13 +465,14 @@ class TritonExperts(PreparedExperts):
             return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds, ready)
         row_bits = max(1, (num_rows - 1).bit_length())
         expert_digits = max(2, _next_pow2(e))
-        row_digits = 0 if rows_ascending else max(2, 1 << (row_bits if row_bits <= WHOLE_ROW_BITS else RADIX_BITS))
-        block_p, blocks = self._blocks(p, max(expert_digits, row_digits))
-        counts = torch.empty(1 + bool(row_digits), 1 + max(expert_digits, row_digits) * blocks, dtype=torch.int32,
-                             device=dev)
+        by_row = not rows_ascending
+        row_digits = max(2, 1 << (row_bits if row_bits <= WHOLE_ROW_BITS else RADIX_BITS))
+        digits = max(expert_digits, row_digits if by_row else 0)  # of the widest order counted
+        block_p, blocks = self._blocks(p, digits)
+        counts = torch.empty(1 + by_row, 1 + digits * blocks, dtype=torch.int32, device=dev)
         self.kernels.route_count_kernel[(blocks,)](
             pair_experts, pair_rows, p, counts, counts.stride(0), blocks, ready, e, BLOCK_P=block_p,
-            EXPERT_DIGITS=expert_digits, NUM_DIGITS=max(2, row_digits), READY_BLOCK=READY_BLOCK, BY_ROW=bool(row_digits),
+            EXPERT_DIGITS=expert_digits, NUM_DIGITS=row_digits, READY_BLOCK=READY_BLOCK, BY_ROW=by_row,
         )
         # Integer cumsums (the same sums in any order), a 1-D scan per order over its own digits' counts: torch's scan
         # along the rows of the [2, N] tensor took 330 us against 11 for two 1-D scans at N = 262145 (Qwen3, M = 1024;
@@ -484,8 +486,8 @@ class TritonExperts(PreparedExperts):
         self.kernels.route_scatter_kernel[(blocks,)](
             pair_experts, pair_rows, pair_weights, p, starts, starts.stride(0), blocks,
             rows, router, pairs, crows, pairs if cpairs is None else cpairs, BLOCK_P=block_p,
-            BLOCK_C=ROUTE_COMPARE_BLOCK, EXPERT_DIGITS=expert_digits, NUM_DIGITS=max(2, row_digits),
-            BY_ROW=bool(row_digits), USE_GDC=has_dependent_launch(dev),
+            BLOCK_C=ROUTE_COMPARE_BLOCK, EXPERT_DIGITS=expert_digits, NUM_DIGITS=row_digits, BY_ROW=by_row,
+            USE_GDC=has_dependent_launch(dev),
         )
         bounds = starts[0, ::blocks][: e + 1]  # [E+1] int32, strided: expert d's run starts at block 0's start
         if rows_ascending:
