@@ -35,6 +35,13 @@ rounds that alternate between them, the order rotating from round to round, so t
 machine's drift falls on every m alike (measured one after another, points moved by 10-20% with
 their place in the sequence); auto is reported beside the best fixed m with the steps it ran at
 each m.
+A point's decode step is vLLM's own time between two tokens of a request (its engine's
+timestamps: vllm:inter_token_latency_seconds), over the steps where the whole batch decodes: a
+streamed probe request, sent once the engine has the others, times the readings, and vLLM's tokens
+per step check that every step in between computed one token for each request and none of a
+prompt. The prefill (its length, the m that ran it) is in the batch's tokens/s and not in the step:
+auto's m for the prefill's batch sizes moved from round to round while it learned them, and the
+step measured before ((time of 48 tokens - time of 1) / 47) counted that as decode.
 Every point also runs 16 clients streaming at once (requests that come and go, as users' do):
 output tokens/s and how many requests failed.
 
@@ -117,7 +124,7 @@ class Point:
     regime: str
     microbatches: int | None  # None: auto
     step_ms: float  # decode step: one token for every request of the batch
-    tokens_per_s: float
+    tokens_per_s: float  # the batch's output tokens over its whole time, prefill included
     forward_ms: float  # the model forward within a step (attention node's metrics)
     expert_wait_ms: float  # of which blocked waiting for the workers
     ideal_step_ms: float | None = None
@@ -135,7 +142,8 @@ STEPS_BY_M = "hetero_moe_pingpong_steps_total"
 
 
 def scrape_sums(url: str) -> dict[str, float]:
-    """The step histograms' sums and counts, and the steps by m (keyed `STEPS_BY_M m`)."""
+    """The step histograms' sums and counts, the steps by m (keyed `STEPS_BY_M m`), and the vLLM
+    figures that time a decode step and check it (VLLM_FIGURES, summed over their labels)."""
     import urllib.request
 
     out: dict[str, float] = {}
@@ -146,15 +154,68 @@ def scrape_sums(url: str) -> dict[str, float]:
         elif line.startswith(STEPS_BY_M + "{"):
             m = name.split('microbatches="')[1].split('"')[0]
             out[f"{STEPS_BY_M} {m}"] = out.get(f"{STEPS_BY_M} {m}", 0.0) + float(value)
+        elif (bare := name.split("{")[0]) in VLLM_FIGURES:
+            out[bare] = out.get(bare, 0.0) + float(value)
     return out
 
 
-def decode_seconds(client, model: str, batch: int, tokens: int, prompts: list[str]) -> float:
-    """One batch of `batch` requests (`prompts`), each decoding `tokens` tokens."""
+# vLLM's own figures of its engine steps: the time between two tokens of a request, the tokens
+# each step computed (prompt and generated; a step of the batch's decode computes one token for
+# each of its requests and none of a prompt), and its requests.
+ITL = "vllm:inter_token_latency_seconds"
+STEP_TOKENS = "vllm:iteration_tokens_total"
+REQUESTS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+VLLM_FIGURES = (f"{ITL}_sum", f"{ITL}_count", f"{STEP_TOKENS}_sum", f"{STEP_TOKENS}_count", *REQUESTS)
+# The probe request's tokens between which a batch's decode is read: by its 8th token every
+# request of the batch has its prompt in (the prefill takes a few steps), and by its 40th none
+# has ended (they decode DECODE_TOKENS, and the probe starts within a few steps of them).
+WINDOW = (8, 40)
+ADMITTED_S = 60.0  # how long the batch may take to reach the engine
+
+
+def decode_batch(client, model: str, prompts: list, url: str) -> tuple[float, list[dict[str, float]]]:
+    """One batch of len(prompts) requests decoding DECODE_TOKENS tokens each: prompts[:-1] in one
+    request and, once the engine has them, prompts[-1] streamed (the probe: its tokens time the
+    readings). Returns the batch's seconds and the attention server's figures (scrape_sums) before
+    it, at the probe's WINDOW tokens and after it."""
+    import threading
+
+    failed: list[BaseException] = []
+
+    def rest() -> None:
+        try:
+            client.completions.create(model=model, prompt=prompts[:-1], max_tokens=DECODE_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+        except BaseException as err:  # raised below, in the caller's thread
+            failed.append(err)
+
+    sums = [scrape_sums(url)]
     start = time.perf_counter()
-    client.completions.create(model=model, prompt=prompts, max_tokens=tokens, temperature=0,
-                              extra_body={"ignore_eos": True})  # fmt: skip
-    return time.perf_counter() - start
+    batch = threading.Thread(target=rest)
+    batch.start()
+    # the probe after the rest: a long request is parsed later than a short one sent with it
+    while sum(scrape_sums(url).get(name, 0.0) for name in REQUESTS) < len(prompts) - 1:
+        if failed or time.perf_counter() - start > ADMITTED_S:
+            batch.join()
+            raise failed[0] if failed else TimeoutError(f"the batch did not reach the engine in {ADMITTED_S} s")
+        time.sleep(0.005)
+    probe = client.completions.create(model=model, prompt=prompts[-1], max_tokens=DECODE_TOKENS, temperature=0,
+                                      stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+    for chunk in probe:
+        if len(sums) <= len(WINDOW) and chunk.usage and chunk.usage.completion_tokens >= WINDOW[len(sums) - 1]:
+            sums.append(scrape_sums(url))
+    batch.join()
+    seconds = time.perf_counter() - start
+    if failed:
+        raise failed[0]
+    if len(sums) <= len(WINDOW):
+        raise RuntimeError(f"the probe request ended before its token {WINDOW[len(sums) - 1]}")
+    return seconds, sums + [scrape_sums(url)]
+
+
+def warm_batch(client, model: str, prompts: list) -> None:
+    client.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
 
 
 STREAMS = 16
@@ -225,34 +286,32 @@ class Server:
     def warm(self) -> None:
         """The batch shape compiled, caches filled."""
         self.select()
-        decode_seconds(self.client, self.model, self.batch, 4, self.prompts)
+        warm_batch(self.client, self.model, self.prompts)
 
     def sample(self) -> None:
-        """Decode step = (time of DECODE_TOKENS tokens - time of 1) / (DECODE_TOKENS - 1); the
-        attention node's forward and expert wait per decode step the same way, from its metrics
-        (the 1-token request is the prefill the other also has). The batch's requests all ask
-        one prompt (so they route alike), or `prompts`."""
+        """One batch (decode_batch). Its decode step is vLLM's mean time between two tokens of a
+        request, and the attention node's forward and expert wait per step its metrics' means, all
+        over the probe's WINDOW, where every step is the whole batch's decode: its prefill and its
+        end (which m ran them, how long they took) are in the batch's tokens/s, not in its step."""
         self.select()
-        s0 = scrape_sums(self.url)
-        one = decode_seconds(self.client, self.model, self.batch, 1, self.prompts)
-        s1 = scrape_sums(self.url)
-        full = decode_seconds(self.client, self.model, self.batch, DECODE_TOKENS, self.prompts)
-        s2 = scrape_sums(self.url)
+        seconds, (before, start, end, after) = decode_batch(self.client, self.model, self.prompts, self.url)
 
-        def decode_only(name: str) -> float:
-            return (s2.get(name, 0.0) - s1.get(name, 0.0)) - (s1.get(name, 0.0) - s0.get(name, 0.0))
+        def window(name: str) -> float:
+            return end.get(name, 0.0) - start.get(name, 0.0)
 
-        count = decode_only("hetero_moe_step_forward_seconds_count")
-        self.steps.append((full - one) / (DECODE_TOKENS - 1))
-        self.rates.append(self.batch * DECODE_TOKENS / full)
-        self.forwards.append(decode_only("hetero_moe_step_forward_seconds_sum") / count)
-        self.waits.append(decode_only("hetero_moe_step_expert_wait_seconds_sum") / count)
-        # Steps by m: the whole DECODE_TOKENS run's, its prefill included. Its difference from the
-        # 1-token run's, per m, read -1 where a prefill step ran at another m in one run than in the other.
-        for key in s2:
+        steps, tokens = window(f"{STEP_TOKENS}_count"), window(f"{STEP_TOKENS}_sum")
+        if not steps or tokens != self.batch * steps:
+            raise RuntimeError(f"the decode window's {steps:.0f} steps computed {tokens:.0f} tokens, not "
+                               f"{self.batch} each: the batch was not decoding whole (WINDOW {WINDOW})")  # fmt: skip
+        count = window("hetero_moe_step_forward_seconds_count")
+        self.steps.append(window(f"{ITL}_sum") / window(f"{ITL}_count"))
+        self.rates.append(self.batch * DECODE_TOKENS / seconds)
+        self.forwards.append(window("hetero_moe_step_forward_seconds_sum") / count)
+        self.waits.append(window("hetero_moe_step_expert_wait_seconds_sum") / count)
+        for key in after:  # steps by m: the whole batch's, its prefill included
             if key.startswith(STEPS_BY_M + " "):
                 m = key.split()[1]
-                self.by_m[m] = self.by_m.get(m, 0.0) + s2[key] - s1.get(key, 0.0)
+                self.by_m[m] = self.by_m.get(m, 0.0) + after[key] - before.get(key, 0.0)
 
     def sample_streams(self) -> None:
         self.select()

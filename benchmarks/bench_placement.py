@@ -17,7 +17,8 @@ machine outweighed it (re-placed: 0.99x the static step at batch 64, 2026-12-02)
 imbalance did not show as time.
 
 For each placement the same batch of B requests decodes (bench_pingpong's measurement: decode
-step = (time of N tokens - time of 1) / (N - 1), median of rounds), request i asking tiny_models'
+step = vLLM's mean time between two tokens over steps where the whole batch decodes, median of
+rounds), request i asking tiny_models'
 prompt i mod 8 numbered i, so that their tokens and the experts past the favourites differ as in
 real traffic (one prompt for all would route every row alike), and the attention node's
 load view (GET /hetero_moe/expert_load) gives the (layer, expert) counts of those requests, the
