@@ -214,6 +214,13 @@ def decode_batch(client, model: str, prompts: list, url: str) -> tuple[float, li
     return seconds, sums + [scrape_sums(url)]
 
 
+def batch_size(text: str) -> int:
+    """--batch: a decode_batch streams one of its requests to time the others."""
+    if (batch := int(text)) < 2:
+        raise argparse.ArgumentTypeError(f"{batch}: at least 2 requests (one is streamed to time the others)")
+    return batch
+
+
 def warm_batch(client, model: str, prompts: list) -> None:
     client.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
 
@@ -432,7 +439,7 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_pingpong", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("results/bench_pingpong.json"))
-    p.add_argument("--batch", type=int, default=128, help="requests decoding together (enough for attention to be a real part of a step)")
+    p.add_argument("--batch", type=batch_size, default=128, help="requests decoding together (enough for attention to be a real part of a step)")
     p.add_argument("--microbatches", default="1,2,3,4,auto")
     p.add_argument("--context", type=int, default=CONTEXT,
                    help="prompt tokens of the batch's requests (with the decoded ones, the tiny model allows 4096, "

@@ -43,7 +43,7 @@ import numpy as np
 
 import tiny_models
 from benchmarks.bench_pingpong import (
-    DECODE_TOKENS, VLLM_ARGS, Cluster, Server, measure_interleaved, prompt_tokens,
+    DECODE_TOKENS, VLLM_ARGS, Cluster, Server, batch_size, measure_interleaved, prompt_tokens,
 )  # fmt: skip
 from protos.checkpoint import read_checkpoint
 from benchmarks import machine
@@ -126,7 +126,7 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_placement", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("results/bench_placement.json"))
-    p.add_argument("--batch", type=int, default=64, help="requests decoding together")
+    p.add_argument("--batch", type=batch_size, default=64, help="requests decoding together")
     p.add_argument("--hot-per-layer", type=int, default=3, help="the hot budget, in experts per MoE layer")
     p.add_argument("--spare-per-layer", type=int, default=4,
                    help="each worker's spare memory for re-placed experts, in experts per MoE layer")
