@@ -193,12 +193,15 @@ def decode_batch(client, model: str, prompts: list, url: str) -> tuple[float, li
     start = time.perf_counter()
     batch = threading.Thread(target=rest)
     batch.start()
-    # the probe after the rest: a long request is parsed later than a short one sent with it
+    # The probe after the rest: a long request is parsed later than a short one sent with it. 20
+    # readings a second: the API server that renders /metrics is the one parsing the batch (a
+    # scrape every 10 ms kept it from admitting requests, tests/test_cluster.py), and the probe
+    # may start a few steps after the batch (WINDOW).
     while sum(scrape_sums(url).get(name, 0.0) for name in REQUESTS) < len(prompts) - 1:
         if failed or time.perf_counter() - start > ADMITTED_S:
             batch.join()
             raise failed[0] if failed else TimeoutError(f"the batch did not reach the engine in {ADMITTED_S} s")
-        time.sleep(0.005)
+        time.sleep(0.05)
     probe = client.completions.create(model=model, prompt=prompts[-1], max_tokens=DECODE_TOKENS, temperature=0,
                                       stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
                                       extra_body={"ignore_eos": True})  # fmt: skip
