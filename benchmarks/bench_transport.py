@@ -14,8 +14,9 @@ One run, loopback only, every process started and stopped by the bench:
    request at a time and output tokens/s of 16 concurrent streaming requests, stock vLLM against
    the cluster on the shared-memory plane (--e2e-planes shm,tcp,grpc: on each plane, a minute
    more per plane), same flags (compiled), and the cluster's cost per MoE layer. All
-   servers start at once, with the workers, and are measured in alternating rounds (latency:
-   medians of four rounds; throughput: the fastest of four), then stopped before part 1 runs.
+   servers start at once, with the workers, and are measured in alternating rounds, each round
+   starting with the next server (latency: medians of eight rounds; throughput: the fastest of
+   eight, and their median beside it), then stopped before part 1 runs.
 
 Workers and attention servers run with mutual TLS and the token, as `make up` runs them
 (benchmarks/bench_tls.py measures what that costs); --plaintext runs them without, as the floor
@@ -263,7 +264,7 @@ def streams_rate(client, model: str) -> float:
     return 16 * DECODE_TOKENS / (time.perf_counter() - start)
 
 
-E2E_ROUNDS = 4
+E2E_ROUNDS = 8
 # vLLM's engine and model worker poll their shared-memory queues (sched_yield) for a second after
 # the last message before they block: the server measured before must be idle before the next.
 ENGINE_IDLE_S = 1.5
@@ -311,8 +312,9 @@ class EndToEnd:
             time.sleep(ENGINE_IDLE_S)
         itl = {name: [] for name in self.names}
         rates = {name: [] for name in self.names}
-        for _ in range(E2E_ROUNDS):
-            for name, (client, model_id) in clients.items():
+        for r in range(E2E_ROUNDS):  # each round starts with the next server: none is always measured first
+            for name in self.names[r % len(self.names):] + self.names[:r % len(self.names)]:
+                client, model_id = clients[name]
                 itl[name].append(itl_seconds(client, model_id))
                 rates[name].append(streams_rate(client, model_id))
                 time.sleep(ENGINE_IDLE_S)
@@ -324,12 +326,14 @@ class EndToEnd:
                             # the fastest round: on 2 cores stock vLLM's 16 streams alternate between a fast
                             # and a 3-5x slower mode from round to round, where a median picks either
                             "streams_16_tokens_per_s": max(rates[name]),
+                            "streams_16_median_tokens_per_s": statistics.median(rates[name]),
                             "streams_16_each_round": rates[name]}  # fmt: skip
         stock = result["stock"]
         for plane in self.planes:
             r = result[plane]
             r["moe_layer_overhead_ms"] = (r["itl_ms"] - stock["itl_ms"]) / num_moe_layers
             r["throughput_vs_stock"] = r["streams_16_tokens_per_s"] / stock["streams_16_tokens_per_s"]
+            r["median_throughput_vs_stock"] = r["streams_16_median_tokens_per_s"] / stock["streams_16_median_tokens_per_s"]
             logger.info("cluster on %s: %s", plane, r)
         return result
 
@@ -352,10 +356,11 @@ def table(rows: list[dict], e2e: dict | None) -> str:
                      f"{r['server_cpu_ms_per_round_trip']:8.3f}")  # fmt: skip
     if e2e:
         lines += ["", f"{'end to end (tiny Qwen3-MoE, 4 MoE layers)':44} {'ITL ms':>10} {'per MoE layer':>13} "
-                      f"{'16 streams tok/s':>16} {'x stock':>7}"]  # fmt: skip
+                      f"{'16 streams tok/s':>16} {'x stock':>7} {'median tok/s':>12} {'x stock':>7}"]  # fmt: skip
         for name, r in e2e.items():
             lines.append(f"{name:44} {r['itl_ms']:10.2f} {r.get('moe_layer_overhead_ms', 0):13.2f} "
-                         f"{r['streams_16_tokens_per_s']:16.0f} {r.get('throughput_vs_stock', 1):7.2f}")  # fmt: skip
+                         f"{r['streams_16_tokens_per_s']:16.0f} {r.get('throughput_vs_stock', 1):7.2f} "
+                         f"{r['streams_16_median_tokens_per_s']:12.0f} {r.get('median_throughput_vs_stock', 1):7.2f}")  # fmt: skip
     return "\n".join(lines)
 
 
