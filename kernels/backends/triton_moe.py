@@ -154,6 +154,17 @@ class TritonConfig:
     reference (max |out - ref| / max |ref|, the same random layer): 1.48e-3 -> 2.41e-3 at M = 16, 3.96e-3 -> 4.24e-3
     at 64, 4.34e-3 -> 4.67e-3 at 256; five calls bitwise equal both ways.
 
+    Weight tiles through TMA (host tensor descriptors over w viewed as [rows, BK/4], one box per stored tile, the
+    pipelined loop's loads becoming bulk copies on mbarriers) were measured and not kept (H100, 2026-12-05, two runs,
+    graph us, best of three interleaved rounds; every output bitwise equal to today's): gate_up's at Qwen3 M = 64 /
+    128 / 256 / 1024 135.2 / 205.6 / 397.0 / 1593.0 -> 135.0 / 205.3 / 396.9 / 1552.0 (the first run 137.5 -> 133.4
+    at 64, 1607.1 -> 1501.7 at 1024), Mixtral within the rounds' spread (up to 6% between launches of the same
+    gate_up); down's, 79.9 / 139.5 / 260.2 / 1011.7 -> 81.3 / 218.3 / 425.5 / 1629.1, and with its act rows also
+    through TMA (contiguous at sorted positions) 93.6 / 202.5 / 392.6 / 1501.7. An ncu profile the same day (H100,
+    Qwen3, M = 16 and 64) had found every GEMM launch latency-bound: about 3 warps per scheduler (register- and
+    shared-memory-limited to 18.75% occupancy), under one eligible, a third of the stall at M = 64's gate_up at CTA
+    barriers; TMA for the weights alone did not change that.
+
     Decode (<= 16 pairs per expert), H200, Qwen3-30B-A3B shapes, graph time at 1 / 8 tokens per
     expert (bench_kernel --sweep, two runs, 2026-11-29): this default 101-102 / 108-111 us; 4 stages
     105 / 113, 5 stages 109 / 118, 2 stages 119 / 128; down tiles of 64 rows 111 / 120, of 256 rows
