@@ -23,8 +23,9 @@ atomics count integers. Rows given in ascending order (ROWS_ASCENDING, BY_ROW of
 then row order) are not sorted: only the experts are ranked or counted.
 The combine finds a row's pairs through rbounds [T+1] (row t: positions [rbounds[t], rbounds[t+1])
 of the (row, pair) order): from the ranking's row counts, from the first pass's counts when
-one pass sorts the rows, else a binary search (row_bounds_kernel; with ascending rows, in the
-given rows).
+one pass sorts the rows, else a binary search (row_bounds_kernel). Ascending rows give their bounds
+themselves: in the ranking launch each pair stores the starts of the rows that begin at it
+(_row_starts_scattered); the counting launches search them.
 GEMMs: each expert's pairs split into BLOCK_M-row blocks; one program owns (row block, BLOCK_N
 output columns), so a dequantized weight tile serves BLOCK_M rows (8-32 for decode, 64-128 for
 prefill; 8 only with SWAP_AB, x then being the 8-wide operand of an m16n8k16 MMA), or, EXPERT_GRID
@@ -305,8 +306,7 @@ def _scan_keys(keys_ptr, k0, K, P, starts_ptr, pair_out, rows_out, rows_ptr, wei
 
 @triton.jit
 def scan_route_kernel(
-    experts_ptr, rows_ptr, weights_ptr, P, E, T, steps,  # [P] local expert, row (< T), router weight of each pair;
-    # steps >= bit_length(P) (ROWS_ASCENDING's search)
+    experts_ptr, rows_ptr, weights_ptr, P, E, T,  # [P] local expert, row (< T), router weight of each pair
     bounds_ptr, srows_ptr, sweights_ptr, spairs_ptr,  # out: [E+1] int32; [P] row, fp32 weight, pair by expert
     crows_ptr, cpairs_ptr, rbounds_ptr,  # out: [P] int32 row and pair sorted by (row, pair); [T+1] int32
     ready_ptr,  # out: [E+1] int32 zeroed (_zero_ready)
@@ -315,9 +315,9 @@ def scan_route_kernel(
 ):
     """Both stable orders by ranking, no atomics: programs 0..cdiv(E, KEYS)-1 own KEYS experts each, the rest
     KEYS rows each (_scan_keys). Positions depend only on the inputs.
-    ROWS_ASCENDING (the rows never decrease: pair order is row order): the row programs, cdiv(T + 1, ROW_KEYS),
-    only find the starts of their ROW_KEYS rows in rows_ptr (_row_starts, rows 0..T: rbounds [T+1]); crows and
-    cpairs are not written."""
+    ROWS_ASCENDING (the rows never decrease: pair order is row order): the row programs, cdiv(P + 1, ROW_KEYS),
+    only store the starts of the rows that begin at their ROW_KEYS pairs (_row_starts_scattered, rows 0..T:
+    rbounds [T+1]); crows and cpairs are not written."""
     if USE_GDC:
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -327,8 +327,7 @@ def scan_route_kernel(
         _scan_keys(experts_ptr, pid * KEYS, E, P, bounds_ptr, spairs_ptr, srows_ptr, rows_ptr, weights_ptr,
                    sweights_ptr, BLOCK_P, KEYS, True)
     elif ROWS_ASCENDING:
-        offs_t = (pid - expert_programs) * ROW_KEYS + tl.arange(0, ROW_KEYS)
-        tl.store(rbounds_ptr + offs_t, _row_starts(rows_ptr, P, offs_t, steps), mask=offs_t <= T)
+        _row_starts_scattered(rows_ptr, P, T, (pid - expert_programs) * ROW_KEYS, rbounds_ptr, ROW_KEYS)
     else:
         _scan_keys(rows_ptr, (pid - expert_programs) * KEYS, T, P, rbounds_ptr, cpairs_ptr, crows_ptr, rows_ptr,
                    weights_ptr, sweights_ptr, BLOCK_P, KEYS, False)
@@ -456,6 +455,20 @@ def _row_starts(crows_ptr, P, offs_t, steps):
         lo = tl.where(active & (v < offs_t), mid + 1, lo)
         hi = tl.where(active & (v >= offs_t), mid, hi)
     return lo
+
+
+@triton.jit
+def _row_starts_scattered(rows_ptr, P, T, j0, rbounds_ptr, BLOCK: tl.constexpr):
+    """rows [P] ascending: rbounds[t] = j for every t in (rows[j - 1], rows[j]], pairs j0..j0+BLOCK-1, where
+    rows[-1] = -1 and rows[P] = T (so rbounds[t] = P past the last row). Each pair stores the starts of the rows
+    that begin at it: one load per pair instead of a search per row."""
+    j = j0 + tl.arange(0, BLOCK)
+    ok = j <= P
+    row = tl.where(j < P, tl.load(rows_ptr + j, mask=j < P, other=0).to(tl.int32), T)
+    prev = tl.where(j > 0, tl.load(rows_ptr + j - 1, mask=ok & (j > 0), other=0).to(tl.int32), -1)
+    gap = tl.where(ok, row - prev, 0)
+    for g in range(0, tl.max(gap, 0)):
+        tl.store(rbounds_ptr + prev + 1 + g, j, mask=g < gap)
 
 
 @triton.jit

@@ -67,6 +67,13 @@ ROUTE_SCAN_MAX_WORK = 1 << 22
 ROUTE_SCAN_MAX_PAIRS_ASCENDING = 8192
 ROUTE_SCAN_PROGRAMS = 1024  # ranking: the fewest keys per program that keep the programs this few (512: within 1 us)
 ROUTE_SCAN_ELEMENTS = 4096  # pairs x keys a ranking program compares per step (2048 / 8192: within 1 us)
+# With rows given in ascending order: the ranking programs' warps, and each pair storing the starts of the rows that
+# begin at it (one load per pair) instead of a binary search per row (bit_length(P) dependent loads). H100, 2026-12-05,
+# one run, graph us, best of three interleaved rounds, Qwen3 at M = 1 / 8 / 16 / 32 / 64, search on 4 warps -> stores on
+# 4 warps -> stores on 8 warps (2 warps: slower from M = 8): the routing alone 5.44 / 4.88 / 5.49 / 8.13 / 14.00 -> 4.91
+# / 4.24 / 5.53 / 8.14 / 13.85 -> 4.68 / 4.24 / 4.95 / 6.85 / 11.48; the whole layer 119.88 / 125.00 / 137.71 / 170.78 /
+# 235.95 -> 117.49 / 123.99 / 136.74 / 170.12 / 234.66 -> 117.72 / 123.57 / 135.91 / 168.74 / 229.68.
+ROUTE_SCAN_WARPS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,8 +450,8 @@ class TritonExperts(PreparedExperts):
         launches: the first pass by expert and by the row's low digit at once (the whole row up to
         WHOLE_ROW_BITS bits), then LSD passes of up to RADIX_BITS bits for the rest of the row, and a
         binary search for the row bounds.
-        rows_ascending (the caller's promise that pair_rows never decrease): the rows are not sorted, only
-        searched for their bounds; the experts are ranked up to ROUTE_SCAN_MAX_PAIRS_ASCENDING pairs, else counted.
+        rows_ascending (the caller's promise that pair_rows never decrease): the rows are not sorted, their bounds
+        come from the given rows; the experts are ranked up to ROUTE_SCAN_MAX_PAIRS_ASCENDING pairs, else counted.
         """
         e, p, dev = self.num_experts, pair_rows.numel(), pair_rows.device
         pairs, rows = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(2))
@@ -465,13 +472,14 @@ class TritonExperts(PreparedExperts):
                 keys *= 2
             bounds = torch.empty(e + 1, dtype=torch.int32, device=dev)
             row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=dev)
-            row_keys, row_programs = ((ROW_BOUNDS_BLOCK, _cdiv(num_rows + 1, ROW_BOUNDS_BLOCK)) if rows_ascending
+            row_keys, row_programs = ((ROW_BOUNDS_BLOCK, _cdiv(p + 1, ROW_BOUNDS_BLOCK)) if rows_ascending
                                       else (keys, _cdiv(num_rows, keys)))  # fmt: skip
             self.kernels.scan_route_kernel[(_cdiv(e, keys) + row_programs,)](
-                pair_experts, pair_rows, pair_weights, p, e, num_rows, p.bit_length(), bounds, rows, router, pairs,
+                pair_experts, pair_rows, pair_weights, p, e, num_rows, bounds, rows, router, pairs,
                 crows, pairs if cpairs is None else cpairs, row_bounds, ready,
                 BLOCK_P=max(16, min(_next_pow2(p), ROUTE_SCAN_ELEMENTS // keys)), KEYS=keys, READY_BLOCK=READY_BLOCK,
-                ROWS_ASCENDING=rows_ascending, ROW_KEYS=row_keys, USE_GDC=has_dependent_launch(dev), num_warps=4,
+                ROWS_ASCENDING=rows_ascending, ROW_KEYS=row_keys, USE_GDC=has_dependent_launch(dev),
+                num_warps=ROUTE_SCAN_WARPS if rows_ascending else 4,
             )
             return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds, ready)
         row_bits = max(1, (num_rows - 1).bit_length())
