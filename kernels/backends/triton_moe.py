@@ -170,7 +170,11 @@ class TritonConfig:
     through TMA (contiguous at sorted positions) 93.6 / 202.5 / 392.6 / 1501.7. An ncu profile the same day (H100,
     Qwen3, M = 16 and 64) had found every GEMM launch latency-bound: about 3 warps per scheduler (register- and
     shared-memory-limited to 18.75% occupancy), under one eligible, a third of the stall at M = 64's gate_up at CTA
-    barriers; TMA for the weights alone did not change that.
+    barriers; TMA for the weights alone did not change that. Nor did Triton's automatic warp specialization
+    (tl.range(warp_specialize=True), Triton 3.6, H100, 2026-12-05, graph us of each launch alone, best of three
+    interleaved rounds, Qwen3): down's k-loop does not compile (make_ttgir: PassManager::run failed), its loads through
+    pointers or through TMA; gate_up's multi-tile loop compiles and is bitwise the same but no faster, 143.7 / 417.2
+    against 144.3 / 417.3 at M = 64 / 256, with its weights through TMA 146.1 / 419.7 against 144.2 / 419.6.
 
     Decode (<= 16 pairs per expert), H200, Qwen3-30B-A3B shapes, graph time at 1 / 8 tokens per
     expert (bench_kernel --sweep, two runs, 2026-11-29): this default 101-102 / 108-111 us; 4 stages
