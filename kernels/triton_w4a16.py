@@ -24,8 +24,8 @@ then row order) are not sorted: only the experts are ranked or counted.
 The combine finds a row's pairs through rbounds [T+1] (row t: positions [rbounds[t], rbounds[t+1])
 of the (row, pair) order): from the ranking's row counts, from the first pass's counts when
 one pass sorts the rows, else a binary search (row_bounds_kernel). Ascending rows give their bounds
-themselves: in the ranking launch each pair stores the starts of the rows that begin at it
-(_row_starts_scattered); the counting launches search them.
+themselves: in the ranking launch, or the first counting launch, each pair stores the starts of the rows
+that begin at it (_row_starts_scattered).
 GEMMs: each expert's pairs split into BLOCK_M-row blocks; one program owns (row block, BLOCK_N
 output columns), so a dequantized weight tile serves BLOCK_M rows (8-32 for decode, 64-128 for
 prefill; 8 only with SWAP_AB, x then being the 8-wide operand of an m16n8k16 MMA), or, EXPERT_GRID
@@ -378,18 +378,26 @@ def _destinations(keys_ptr, shift, P, starts_ptr, num_blocks,
 
 @triton.jit
 def route_count_kernel(
-    experts_ptr, rows_ptr, P,  # [P] local expert, row of each pair
+    experts_ptr, rows_ptr, P, T,  # [P] local expert, row (< T) of each pair
     counts_ptr, stride_c, num_blocks,  # out: [2, 1 + NUM_DIGITS * num_blocks] int32: by expert (the first
     # 1 + EXPERT_DIGITS * num_blocks), by row digit
+    rbounds_ptr,  # out, ROWS_ASCENDING: [T+1] int32, the first position of each row (P past the last)
     ready_ptr, E,  # out: [E+1] int32 zeroed (_zero_ready)
     BLOCK_P: tl.constexpr, EXPERT_DIGITS: tl.constexpr, NUM_DIGITS: tl.constexpr, READY_BLOCK: tl.constexpr,
-    BY_ROW: tl.constexpr,
+    BY_ROW: tl.constexpr, ROWS_ASCENDING: tl.constexpr,
 ):
-    """The first pass's counts: experts (< EXPERT_DIGITS) and, BY_ROW, the rows' low digit (row % NUM_DIGITS)."""
+    """The first pass's counts: experts (< EXPERT_DIGITS) and, BY_ROW, the rows' low digit (row % NUM_DIGITS).
+    ROWS_ASCENDING (the rows never decrease; not BY_ROW): program b's pairs also store the starts of the rows that
+    begin at them (_row_starts_scattered), the last program's the starts past the last pair's row."""
     _zero_ready(ready_ptr, E + 1, READY_BLOCK)
     _store_counts(experts_ptr, 0, P, counts_ptr, num_blocks, BLOCK_P, EXPERT_DIGITS)
     if BY_ROW:
         _store_counts(rows_ptr, 0, P, counts_ptr + stride_c, num_blocks, BLOCK_P, NUM_DIGITS)
+    if ROWS_ASCENDING:
+        b = tl.program_id(0)
+        _row_starts_scattered(rows_ptr, P, T, b * BLOCK_P, rbounds_ptr, BLOCK_P)
+        if b == num_blocks - 1:  # pair P (rows[P] = T), past the block when BLOCK_P divides P
+            _row_starts_scattered(rows_ptr, P, T, P, rbounds_ptr, 16)
 
 
 @triton.jit
@@ -478,7 +486,7 @@ def row_bounds_kernel(
     BLOCK_T: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """rbounds[t] = first j with crows[j] >= t (for rows sorted in several passes, whose last pass's starts are
-    digit starts, not row starts; or given in ascending order)."""
+    digit starts, not row starts)."""
     if USE_GDC:
         gdc_launch_dependents()
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)

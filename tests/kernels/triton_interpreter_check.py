@@ -47,9 +47,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     # (experts, pairs, rows): one ranking launch (a key per program; 8 keys; 2 keys over two steps of pairs),
     # then the counting passes, forced (the first sorts whole rows of 8 and of WHOLE_ROW_BITS = 10 bits; then
-    # 8-bit digits: one more pass by row; two more)
+    # 8-bit digits: one more pass by row; two more; then pairs filling whole counting blocks of 256, rows past the last
+    # pair's)
     ranked = [(6, 37, 50), (4, 50, 5000), (3, 600, 1 << 9), (128, 3000, 1000)]
-    counted = [(128, 1500, 200), (128, 1500, 1000), (128, 9000, 1 << 12), (128, 3000, 1 << 17)]
+    counted = [(128, 1500, 200), (128, 1500, 1000), (128, 9000, 1 << 12), (128, 3000, 1 << 17), (128, 2048, 3000)]
     for rows_ascending in (False, True):
         for experts, pairs, num_rows in ranked:
             check_route(experts, pairs, num_rows, gen, rows_ascending)
