@@ -472,8 +472,8 @@ def _row_starts_scattered(rows_ptr, P, T, j0, rbounds_ptr, BLOCK: tl.constexpr):
     that begin at it: one load per pair instead of a search per row."""
     j = j0 + tl.arange(0, BLOCK)
     ok = j <= P
-    row = tl.where(j < P, tl.load(rows_ptr + j, mask=j < P, other=0).to(tl.int32), T)
-    prev = tl.where(j > 0, tl.load(rows_ptr + j - 1, mask=ok & (j > 0), other=0).to(tl.int32), -1)
+    row = tl.load(rows_ptr + j, mask=j < P, other=T).to(tl.int32)
+    prev = tl.load(rows_ptr + j - 1, mask=ok & (j > 0), other=-1).to(tl.int32)
     gap = tl.where(ok, row - prev, 0)
     for g in range(0, tl.max(gap, 0)):
         tl.store(rbounds_ptr + prev + 1 + g, j, mask=g < gap)

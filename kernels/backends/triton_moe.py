@@ -35,7 +35,7 @@ BLOCK_KS = (64, 128)
 # 3.8 / 4.6 / 10.2 / 44.2 / 156.9; fp32 pair rows 4.4 / 5.4 / 22.4 / 75.0 / 288.0 on 256 columns, 4.3-4.5 / 5.2-5.4 /
 # 22.4-23.5 / 74.5-76.4 / 280.1-281.4 on the others.
 COMBINE_BLOCK_R, COMBINE_BLOCK_N, COMBINE_WARPS = 8, 1024, 4
-ROW_BOUNDS_BLOCK = 1024  # rows a row_bounds_kernel program searches for
+ROW_BOUNDS_BLOCK = 1024  # rows a row_bounds_kernel program searches for; pairs of a ranking row program (ascending)
 READY_BLOCK = 1024  # counters a routing program zeroes per step
 RADIX_BITS = 8  # at most 2^8 digits per routing pass over rows, but for the first pass below
 # Rows of up to this many bits the first counting pass sorts whole (up to 2^10 digits): no further pass by row and no
