@@ -293,6 +293,11 @@ class TritonConfig:
         700 against 433 us, 667 against 521). At 64 rows, few large experts take gate_up tiles of
         128 columns with 8 warps (433 against 518 us), many small ones 64 with 4 (521 against 531), two
         column blocks per gate_up program since 2026-12-04 (tiles_gate_up, figures in the class docstring).
+        Since 2026-12-05 (evening, H200, graph us of the whole layer, best of three interleaved rounds, outputs
+        bitwise the same) many small experts above M = 64 take down's 256 columns on 8 warps again, as few large
+        ones do: Qwen3 at M = 128 / 256 / 1024 384.5 / 723.2 / 2856.0 -> 376.7 / 711.2 / 2775.0 (256 columns on 4
+        warps: 1256 / 2441 / 9293). The paragraph below chose 128 columns on 4 warps for them, on the kernels of
+        that day (fp32 pair rows, rows sorted on the GPU).
         Down's column blocks from M = 48 (2026-12-03 afternoon, H200, three interleaved rounds, graph us of down
         alone and of the whole layer): many small experts above M = 64 take 128 columns on 4 warps (down 162 /
         306 / 1148-1211 -> 150 / 281 / 1056-1086 at M = 128 / 256 / 1024, layer 439-441 / 810-812 / 2988-3040 ->
@@ -326,10 +331,7 @@ class TritonConfig:
         if per_expert < 48:
             return cls(block_m=32)
         if per_expert > 64:
-            if few:
-                return cls(block_m=128, block_n_gate_up=128, block_n_down=256, num_warps=8, swap_ab=True,
-                           scale_weights=True)
-            return cls(block_m=128, block_n_gate_up=128, num_warps=8, num_warps_down=4, swap_ab=True, scale_weights=True)
+            return cls(block_m=128, block_n_gate_up=128, block_n_down=256, num_warps=8, swap_ab=True, scale_weights=True)
         if few:
             return cls(block_m=64, block_n_gate_up=128, block_n_down=256, num_warps=8, swap_ab=True, scale_weights=True)
         return cls(block_m=64, swap_ab=True, scale_weights=True, tiles_gate_up=2)
