@@ -3,7 +3,8 @@
   up    start W expert workers and the attention server on the default model
         (made locally on first use) or --model DIR; print the endpoint; Ctrl-C
         stops everything. --detach returns once it serves; `down` stops it.
-  down  stop a cluster started with --detach.
+  down  stop the cluster recorded in the run directory: one started with --detach, or one
+        that `up` runs in another terminal.
   certs DIR  make a CA, the workers' and the attention node's certificates and a token in DIR
         (cluster/certs.py says which file goes to which host); `up` makes its own in its run
         directory unless --plaintext or --tls-dir.
@@ -89,7 +90,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     up.add_argument("--detach", action="store_true", help="return once serving; stop with `down`")
     up.add_argument("--run-dir", type=Path, default=default_run_dir(), help="logs and the detached cluster's state")
     up.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: flags for vLLM")
-    down = sub.add_parser("down", help="stop a detached cluster")
+    down = sub.add_parser("down", help="stop the cluster recorded in --run-dir (detached or not)")
     down.add_argument("--run-dir", type=Path, default=default_run_dir())
     certs = sub.add_parser("certs", help="make a CA, node certificates and a token for --tls-dir")
     certs.add_argument("dir", type=Path, help="a new directory (or one without these files)")
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(security.role_files('worker'))}; keep {security.CA_KEY} off both", flush=True)  # fmt: skip
         return 0
     if not stop_detached(a.run_dir):
-        print(f"no detached cluster recorded in {a.run_dir}")
+        print(f"no cluster recorded in {a.run_dir}")
     return 0
 
 

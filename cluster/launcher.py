@@ -7,6 +7,7 @@ the launcher, which stops the children in order.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -299,7 +300,7 @@ def stop_pids(pids: dict[str, int], reap=lambda: None) -> None:
     for name, pid in pids.items():
         if _alive(pid):
             logger.info("stopping %s (pid %d)", name, pid)
-            os.killpg(pid, signal.SIGTERM)
+            _signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
     while time.monotonic() < deadline:
         reap()
@@ -309,7 +310,13 @@ def stop_pids(pids: dict[str, int], reap=lambda: None) -> None:
     for name, pid in pids.items():
         if _alive(pid):
             logger.warning("%s (pid %d) ignored SIGTERM for %.0f s; killing it", name, pid, STOP_GRACE_S)
-            os.killpg(pid, signal.SIGKILL)
+            _signal_group(pid, signal.SIGKILL)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    """killpg, where a group that is gone by now (another stopper got there first) is not an error."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
 
 
 def stop_in_order(pids: dict[str, int], reap=lambda: None) -> None:
@@ -321,10 +328,12 @@ def stop_in_order(pids: dict[str, int], reap=lambda: None) -> None:
 
 
 def stop_detached(run_dir: Path) -> bool:
-    """Stop a cluster started with --detach; False when none is recorded there."""
+    """Stop the cluster recorded in run_dir: one started with --detach, or one that `up` runs in the foreground
+    elsewhere (which, seeing its attention server stop, stops its workers and drops the record itself, racing this);
+    False when none is recorded there."""
     state = run_dir / "cluster.json"
     if not state.exists():
         return False
     stop_in_order(json.loads(state.read_text()))
-    state.unlink()
+    state.unlink(missing_ok=True)
     return True

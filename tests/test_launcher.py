@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import openai
@@ -71,6 +72,41 @@ def test_ports_that_clash_are_refused_naming_both_flags(tmp_path):
                     worker_data_base_port=50010)
 
 
+# Stands in for a foreground `up`'s attention server and its launcher: on SIGTERM it drops the cluster's record, as
+# `up` does once its attention server has stopped, before `down` is done with it.
+FOREGROUND_ATTENTION = """
+import pathlib, signal, sys, time
+def stop(*_):
+    pathlib.Path(sys.argv[1]).unlink()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+def test_down_stops_a_foreground_cluster_that_cleans_up_after_itself(tmp_path):
+    """`make down` against a cluster `make up` runs in another terminal: that `up` drops cluster.json as soon as its
+    attention server stops, while `down` still stops the workers; `down` succeeds without a traceback, leaves nothing."""
+    state = tmp_path / "cluster.json"
+    attention = subprocess.Popen([sys.executable, "-c", FOREGROUND_ATTENTION, str(state)], stdout=subprocess.PIPE,
+                                 text=True, start_new_session=True)  # fmt: skip
+    worker = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        assert attention.stdout.readline() == "ready\n"
+        state.write_text(json.dumps({"attention": attention.pid, "worker-0": worker.pid}))
+        down = subprocess.run(python_module("cluster", "down", "--run-dir", str(tmp_path)), capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert down.returncode == 0, down.stderr
+        assert "Traceback" not in down.stderr, down.stderr
+        assert attention.wait(timeout=10) == 0 and worker.wait(timeout=10) == -signal.SIGTERM
+        assert not state.exists()
+    finally:
+        for p in (attention, worker):
+            p.kill()
+            p.wait()
+
+
 def test_detached_cluster_serves_until_down(model_dir, tmp_path):
     model, run_dir = model_dir("qwen3_moe"), tmp_path / "run"
     cmd, base_url, metrics = cluster_up(model, run_dir, "--detach", "--", *VLLM_CPU_ARGS, "--enforce-eager")
@@ -95,7 +131,7 @@ def test_detached_cluster_serves_until_down(model_dir, tmp_path):
     assert not running(family), "survived `down`"
     assert not (run_dir / "cluster.json").exists()
     again = subprocess.run(python_module("cluster", "down", "--run-dir", str(run_dir)), capture_output=True, text=True)
-    assert "no detached cluster recorded" in again.stdout
+    assert "no cluster recorded" in again.stdout
 
 
 def test_w4a16_on_load_serves_restarts_dead_workers_and_stops_naming_one_that_cannot_return(model_dir, tmp_path):
