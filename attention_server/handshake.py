@@ -62,10 +62,17 @@ def fetch_info(worker: int, endpoint: str, ready_timeout_s: float, security: Sec
                                               f"{err.details()}") from None  # fmt: skip
                 last = err.details()
             time.sleep(min(RETRY_INTERVAL_S, max(0.0, deadline - time.monotonic())))
-    hint = (f"; with {security.describe()}, the worker must hold certificates from the same CA"
-            if security.tls else "")  # fmt: skip
     raise WorkerMismatchError(f"worker {worker} at {endpoint}: not reachable within {ready_timeout_s:.0f} s "
-                              f"(last error: {last}){hint}")  # fmt: skip
+                              f"(last error: {last}); {_unreachable_hint(last, security)}")  # fmt: skip
+
+
+def _unreachable_hint(last_error: str, security: Security) -> str:
+    """What most likely kept a worker from answering, from gRPC's last connection error."""
+    if "Connection refused" in last_error:
+        return "nothing accepts connections there: is the worker running, and is that its --port?"
+    if security.tls:
+        return f"with {security.describe()}, the worker must hold certificates from the same CA"
+    return "a worker that takes mutual TLS closes plaintext connections: give this node the cluster's --tls-dir"
 
 
 def check_workers(

@@ -200,11 +200,15 @@ def test_attention_server_refuses_to_start_on_a_refused_certificate_or_token(mod
     wrong_token = tmp_path / "wrong-token"
     shutil.copytree(workers.tls_dir, wrong_token)
     (wrong_token / security.TOKEN).write_text("not-the-token\n")
-    cases = {other_ca.tls_dir: "not reachable within 3 s", wrong_token: "UNAUTHENTICATED: "}
-    for tls_dir, reason in cases.items():
+    cases = {
+        ("--tls-dir", str(other_ca.tls_dir)): "not reachable within 3 s",
+        ("--tls-dir", str(wrong_token)): "UNAUTHENTICATED: ",
+        ("--plaintext",): "closes plaintext connections: give this node the cluster's --tls-dir",
+    }
+    for flags, reason in cases.items():
         result = subprocess.run(python_module(
             "attention_server", "--model", str(model_dir("qwen3_moe")), "--expert-endpoints", ",".join(workers.endpoints),
-            "--tls-dir", str(tls_dir), "--worker-ready-timeout", "3", "--port", "1"),
+            *flags, "--worker-ready-timeout", "3", "--port", "1"),
             capture_output=True, text=True, timeout=120)  # fmt: skip
         assert result.returncode == 2 and "refusing to start" in result.stderr, result.stderr[-3000:]
         assert f"worker 0 at {workers.endpoints[0]}: " in result.stderr and reason in result.stderr, result.stderr

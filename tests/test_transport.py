@@ -352,6 +352,7 @@ def test_probe_names_an_unreachable_worker():
     result = subprocess.run([sys.executable, "-m", "attention_server.probe", "127.0.0.1:1", "--plaintext", "--timeout", "2"],
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 2 and "worker 0 at 127.0.0.1:1: not reachable within 2 s" in result.stderr
+    assert "nothing accepts connections there: is the worker running, and is that its --port?" in result.stderr
 
 
 def test_the_benchmark_reply_delay_is_for_benchmarks_only_and_changes_no_answer(model, workers, infos, processes,
