@@ -89,6 +89,10 @@ POOL_A_CPUS = _CPUS[: max(1, len(_CPUS) // 2)]
 POOL_B_CPUS = _CPUS[max(1, len(_CPUS) // 2) :] or _CPUS
 VLLM_ARGS = ("--dtype", "bfloat16", "--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 30))
 DECODE_TOKENS = 48
+# A batch's requests other than its probe (decode_batch) decode this many tokens more: the probe starts after
+# them, and its WINDOW must end before they do. Without a lead, --batch 32 failed: the probe began about 11 tokens
+# behind the others, and they had ended by its token 40 (at the window's end 1 request running, the probe).
+LEAD_TOKENS = 24
 # A long prompt, so that attention is a real part of the attention node's time per layer.
 SENTENCE = "In the beginning of the long winter the village gathered its wood, its grain and its stories."
 PROMPT = " ".join([SENTENCE] * 50)  # 1551 tokens (benchmarks/bench_placement.py's streams)
@@ -105,9 +109,9 @@ def long_prompt(model: Path, tokens: int) -> str:
 
 
 def vllm_args(model: Path, context: int, batch: int) -> tuple[str, ...]:
-    """VLLM_ARGS with room for `batch` requests of `context` + DECODE_TOKENS tokens (their KV cache
+    """VLLM_ARGS with room for `batch` requests of `context` + DECODE_TOKENS + LEAD_TOKENS tokens (their KV cache
     whole, the prefix cache aside)."""
-    max_len = max(2048, -(-(context + DECODE_TOKENS) // 256) * 256)
+    max_len = max(2048, -(-(context + DECODE_TOKENS + LEAD_TOKENS) // 256) * 256)
     config = read_model_config(model)
     kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2  # K and V, bf16
     return ("--dtype", "bfloat16", "--max-model-len", str(max_len), "--kv-cache-memory-bytes",
@@ -128,7 +132,7 @@ class Point:
     forward_ms: float  # the model forward within a step (attention node's metrics)
     expert_wait_ms: float  # of which blocked waiting for the workers
     ideal_step_ms: float | None = None
-    steps_by_microbatches: dict[str, float] | None = None  # the DECODE_TOKENS runs' steps (prefill included), by m
+    steps_by_microbatches: dict[str, float] | None = None  # the batches' steps (prefill included), by m
     streams_tokens_per_s: float = 0.0  # 16 clients streaming at once
     streams_failed: int = 0
     step_ms_rounds: list[float] | None = None  # each round's decode step, in the order measured
@@ -168,24 +172,24 @@ REQUESTS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 VLLM_FIGURES = (f"{ITL}_sum", f"{ITL}_count", f"{STEP_TOKENS}_sum", f"{STEP_TOKENS}_count", *REQUESTS)
 # The probe request's tokens between which a batch's decode is read: by its 8th token every
 # request of the batch has its prompt in (the prefill takes a few steps), and by its 40th none
-# has ended (they decode DECODE_TOKENS, and the probe starts within a few steps of them).
+# has ended (they decode DECODE_TOKENS + LEAD_TOKENS: the probe may start up to 32 tokens after them).
 WINDOW = (8, 40)
 ADMITTED_S = 60.0  # how long the batch may take to reach the engine
 
 
 def decode_batch(client, model: str, prompts: list, url: str) -> tuple[float, list[dict[str, float]]]:
-    """One batch of len(prompts) requests decoding DECODE_TOKENS tokens each: prompts[:-1] in one
-    request and, once the engine has them, prompts[-1] streamed (the probe: its tokens time the
-    readings). Returns the batch's seconds and the attention server's figures (scrape_sums) before
-    it, at the probe's WINDOW tokens and after it."""
+    """One batch of len(prompts) requests: prompts[:-1] in one request, decoding DECODE_TOKENS + LEAD_TOKENS tokens
+    each, and, once the engine has them, prompts[-1] streamed, decoding DECODE_TOKENS (the probe: its tokens time
+    the readings). Returns the batch's seconds and the attention server's figures (scrape_sums) before it, at the
+    probe's WINDOW tokens and after it."""
     import threading
 
     failed: list[BaseException] = []
 
     def rest() -> None:
         try:
-            client.completions.create(model=model, prompt=prompts[:-1], max_tokens=DECODE_TOKENS, temperature=0,
-                                      extra_body={"ignore_eos": True})  # fmt: skip
+            client.completions.create(model=model, prompt=prompts[:-1], max_tokens=DECODE_TOKENS + LEAD_TOKENS,
+                                      temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
         except BaseException as err:  # raised below, in the caller's thread
             failed.append(err)
 
@@ -222,6 +226,11 @@ def batch_size(text: str) -> int:
     if (batch := int(text)) < 2:
         raise argparse.ArgumentTypeError(f"{batch}: at least 2 requests (one is streamed to time the others)")
     return batch
+
+
+def batch_output_tokens(batch: int) -> int:
+    """The tokens a decode_batch of `batch` requests decodes."""
+    return (batch - 1) * (DECODE_TOKENS + LEAD_TOKENS) + DECODE_TOKENS
 
 
 def warm_batch(client, model: str, prompts: list) -> None:
@@ -311,11 +320,13 @@ class Server:
 
         steps, tokens = window(f"{STEP_TOKENS}_count"), window(f"{STEP_TOKENS}_sum")
         if not steps or tokens != self.batch * steps:
+            running = [f"{s.get(REQUESTS[0], 0):.0f} running, {s.get(REQUESTS[1], 0):.0f} waiting" for s in (start, end)]
             raise RuntimeError(f"the decode window's {steps:.0f} steps computed {tokens:.0f} tokens, not "
-                               f"{self.batch} each: the batch was not decoding whole (WINDOW {WINDOW})")  # fmt: skip
+                               f"{self.batch} each: the batch was not decoding whole (WINDOW {WINDOW}; at its start "
+                               f"{running[0]}, at its end {running[1]})")  # fmt: skip
         count = window("hetero_moe_step_forward_seconds_count")
         self.steps.append(window(f"{ITL}_sum") / window(f"{ITL}_count"))
-        self.rates.append(self.batch * DECODE_TOKENS / seconds)
+        self.rates.append(batch_output_tokens(self.batch) / seconds)
         self.forwards.append(window("hetero_moe_step_forward_seconds_sum") / count)
         self.waits.append(window("hetero_moe_step_expert_wait_seconds_sum") / count)
         for key in after:  # steps by m: the whole batch's, its prefill included
@@ -464,9 +475,9 @@ def main() -> None:
     model = tiny_models.make("qwen3_moe", model_dir, preset=a.preset)
     ckpt = read_checkpoint(model)
     layers = len(ckpt.moe_layers)
-    if a.context + DECODE_TOKENS > (limit := read_model_config(model).max_position_embeddings):
-        p.error(f"--context {a.context} + {DECODE_TOKENS} decoded tokens is more than the {a.preset} model's "
-                f"{limit} positions")
+    if a.context + DECODE_TOKENS + LEAD_TOKENS > (limit := read_model_config(model).max_position_embeddings):
+        p.error(f"--context {a.context} + {DECODE_TOKENS + LEAD_TOKENS} decoded tokens is more than the {a.preset} "
+                f"model's {limit} positions")
     prompt = long_prompt(model, a.context)
     serve_args = vllm_args(model, a.context, a.batch)
     cluster = Cluster(model, logs, a.workers, split_cpus=a.cpus == "split", vllm_args=serve_args)
@@ -521,7 +532,8 @@ def main() -> None:
     for regime, delays in regimes.items():
         lines.append(f"{regime}: workers hold each reply {delays['delay_ms']:.2f} ms + "
                      f"{delays['delay_us_per_row']:.1f} µs per row (benchmark-only emulation of pool B)")
-    lines.append(f"batch {a.batch} requests, prompt {context} tokens, {DECODE_TOKENS} tokens decoded each; "
+    lines.append(f"batch {a.batch} requests, prompt {context} tokens, {DECODE_TOKENS + LEAD_TOKENS} tokens decoded each "
+                 f"({DECODE_TOKENS} by the probe); "
                  f"{layers} MoE layers, {a.workers} workers; without delays the attention node is busy {attention_ms:.2f} ms and waits "
                  f"{own_remote_ms:.2f} ms for the workers per MoE layer")
     cpus = cluster.cpus
@@ -535,6 +547,7 @@ def main() -> None:
         "batch": a.batch,
         "workers": a.workers,
         "decode_tokens": DECODE_TOKENS,
+        "lead_tokens": LEAD_TOKENS,
         "prompt_tokens": context,
         "preset": a.preset,
         "moe_layers": layers,
