@@ -187,6 +187,9 @@ def up(a: argparse.Namespace) -> int:
             if restarted := cluster.restart_workers():
                 print(f"restarting {', '.join(restarted)}; logs in {spec.run_dir}", file=sys.stderr, flush=True)
             time.sleep(1.0)
+        if not cluster.state_file.exists():  # `down` took the record before it stopped the attention server
+            print(f"stopped by `down`; logs in {spec.run_dir}", flush=True)
+            return 0
         print(f"stopping: the attention server exited (code {dead['attention']}); logs in {spec.run_dir}",
               file=sys.stderr)  # fmt: skip
         return 1

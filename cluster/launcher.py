@@ -327,13 +327,19 @@ def stop_in_order(pids: dict[str, int], reap=lambda: None) -> None:
     stop_pids(pids, reap)
 
 
+STOPPING = "cluster.stopping.json"  # where `down` moves a cluster's record before it stops the cluster
+
+
 def stop_detached(run_dir: Path) -> bool:
     """Stop the cluster recorded in run_dir: one started with --detach, or one that `up` runs in the foreground
-    elsewhere (which, seeing its attention server stop, stops its workers and drops the record itself, racing this);
-    False when none is recorded there."""
-    state = run_dir / "cluster.json"
-    if not state.exists():
+    elsewhere. The record moves to STOPPING first, so that such an `up`, seeing its attention server stop and its
+    record gone, knows that `down` stopped it (it then stops its workers as well, racing this). False when no
+    cluster is recorded there."""
+    taken = run_dir / STOPPING
+    try:
+        os.replace(run_dir / "cluster.json", taken)
+    except FileNotFoundError:
         return False
-    stop_in_order(json.loads(state.read_text()))
-    state.unlink(missing_ok=True)
+    stop_in_order(json.loads(taken.read_text()))
+    taken.unlink()
     return True

@@ -1,4 +1,5 @@
-"""`make up` (python -m cluster up) as users run it: detached until `down`; W4A16 quantized on load;
+"""`make up` (python -m cluster up) as users run it: detached until `down`, or in the foreground until a `down` from
+elsewhere; W4A16 quantized on load;
 a dead worker restarted; and one that cannot come back stops the whole cluster, naming it."""
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import openai
@@ -72,39 +72,32 @@ def test_ports_that_clash_are_refused_naming_both_flags(tmp_path):
                     worker_data_base_port=50010)
 
 
-# Stands in for a foreground `up`'s attention server and its launcher: on SIGTERM it drops the cluster's record, as
-# `up` does once its attention server has stopped, before `down` is done with it.
-FOREGROUND_ATTENTION = """
-import pathlib, signal, sys, time
-def stop(*_):
-    pathlib.Path(sys.argv[1]).unlink()
-    sys.exit(0)
-signal.signal(signal.SIGTERM, stop)
-print("ready", flush=True)
-time.sleep(300)
-"""
-
-
-def test_down_stops_a_foreground_cluster_that_cleans_up_after_itself(tmp_path):
-    """`make down` against a cluster `make up` runs in another terminal: that `up` drops cluster.json as soon as its
-    attention server stops, while `down` still stops the workers; `down` succeeds without a traceback, leaves nothing."""
-    state = tmp_path / "cluster.json"
-    attention = subprocess.Popen([sys.executable, "-c", FOREGROUND_ATTENTION, str(state)], stdout=subprocess.PIPE,
-                                 text=True, start_new_session=True)  # fmt: skip
-    worker = subprocess.Popen(["sleep", "300"], start_new_session=True)
+def test_down_stops_a_cluster_that_up_runs_in_the_foreground(model_dir, tmp_path):
+    """`make down` in one terminal against the `make up` of another: `down` takes the record, stops the attention
+    server, then the workers, which that `up` stops as well, racing it. Both exit 0, `up` saying that `down` stopped
+    it, and nothing is left running or recorded."""
+    model, run_dir = model_dir("qwen3_moe"), tmp_path / "run"
+    cmd, base_url, _ = cluster_up(model, run_dir, "--", *VLLM_CPU_ARGS, "--enforce-eager")
+    log = tmp_path / "up.log"
+    with log.open("wb") as out:
+        launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        assert attention.stdout.readline() == "ready\n"
-        state.write_text(json.dumps({"attention": attention.pid, "worker-0": worker.pid}))
-        down = subprocess.run(python_module("cluster", "down", "--run-dir", str(tmp_path)), capture_output=True,
+        wait_http_ready(base_url, [launcher], timeout_s=900)
+        family = family_of([launcher.pid])
+        down = subprocess.run(python_module("cluster", "down", "--run-dir", str(run_dir)), capture_output=True,
                               text=True, timeout=120)  # fmt: skip
-        assert down.returncode == 0, down.stderr
-        assert "Traceback" not in down.stderr, down.stderr
-        assert attention.wait(timeout=10) == 0 and worker.wait(timeout=10) == -signal.SIGTERM
-        assert not state.exists()
+        assert down.returncode == 0 and "Traceback" not in down.stderr, down.stderr
+        assert launcher.wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
-        for p in (attention, worker):
-            p.kill()
-            p.wait()
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGINT)
+            launcher.wait(timeout=120)
+    assert "stopped by `down`" in log.read_text()
+    deadline = time.monotonic() + 10
+    while running(family) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not running(family), "a process outlived `down`"
+    assert not list(run_dir.glob("cluster*.json")), "a record outlived `down`"
 
 
 def test_detached_cluster_serves_until_down(model_dir, tmp_path):
