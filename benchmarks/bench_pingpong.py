@@ -93,6 +93,7 @@ DECODE_TOKENS = 48
 # them, and its WINDOW must end before they do. Without a lead, --batch 32 failed: the probe began about 11 tokens
 # behind the others, and they had ended by its token 40 (at the window's end 1 request running, the probe).
 LEAD_TOKENS = 24
+BATCH_TOKENS = DECODE_TOKENS + LEAD_TOKENS  # what a batch's requests other than its probe decode
 # A long prompt, so that attention is a real part of the attention node's time per layer.
 SENTENCE = "In the beginning of the long winter the village gathered its wood, its grain and its stories."
 PROMPT = " ".join([SENTENCE] * 50)  # 1551 tokens (benchmarks/bench_placement.py's streams)
@@ -109,9 +110,9 @@ def long_prompt(model: Path, tokens: int) -> str:
 
 
 def vllm_args(model: Path, context: int, batch: int) -> tuple[str, ...]:
-    """VLLM_ARGS with room for `batch` requests of `context` + DECODE_TOKENS + LEAD_TOKENS tokens (their KV cache
+    """VLLM_ARGS with room for `batch` requests of `context` + BATCH_TOKENS tokens (their KV cache
     whole, the prefix cache aside)."""
-    max_len = max(2048, -(-(context + DECODE_TOKENS + LEAD_TOKENS) // 256) * 256)
+    max_len = max(2048, -(-(context + BATCH_TOKENS) // 256) * 256)
     config = read_model_config(model)
     kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2  # K and V, bf16
     return ("--dtype", "bfloat16", "--max-model-len", str(max_len), "--kv-cache-memory-bytes",
@@ -172,15 +173,15 @@ REQUESTS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 VLLM_FIGURES = (f"{ITL}_sum", f"{ITL}_count", f"{STEP_TOKENS}_sum", f"{STEP_TOKENS}_count", *REQUESTS)
 # The probe request's tokens between which a batch's decode is read: by its 8th token every
 # request of the batch has its prompt in (the prefill takes a few steps), and by its 40th none
-# has ended (they decode DECODE_TOKENS + LEAD_TOKENS: the probe may start up to 32 tokens after them).
+# has ended (they decode BATCH_TOKENS: the probe may start up to 32 tokens after them).
 WINDOW = (8, 40)
 ADMITTED_S = 60.0  # how long the batch may take to reach the engine
 
 
 def decode_batch(client, model: str, prompts: list, url: str) -> tuple[float, list[dict[str, float]]]:
-    """One batch of len(prompts) requests: prompts[:-1] in one request, decoding DECODE_TOKENS + LEAD_TOKENS tokens
-    each, and, once the engine has them, prompts[-1] streamed, decoding DECODE_TOKENS (the probe: its tokens time
-    the readings). Returns the batch's seconds and the attention server's figures (scrape_sums) before it, at the
+    """One batch of len(prompts) requests: prompts[:-1] in one request, decoding BATCH_TOKENS tokens each, and,
+    once the engine has them, prompts[-1] streamed, decoding DECODE_TOKENS (the probe: its tokens time the
+    readings). Returns the batch's seconds and the attention server's figures (scrape_sums) before it, at the
     probe's WINDOW tokens and after it."""
     import threading
 
@@ -188,8 +189,8 @@ def decode_batch(client, model: str, prompts: list, url: str) -> tuple[float, li
 
     def rest() -> None:
         try:
-            client.completions.create(model=model, prompt=prompts[:-1], max_tokens=DECODE_TOKENS + LEAD_TOKENS,
-                                      temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+            client.completions.create(model=model, prompt=prompts[:-1], max_tokens=BATCH_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
         except BaseException as err:  # raised below, in the caller's thread
             failed.append(err)
 
@@ -230,7 +231,7 @@ def batch_size(text: str) -> int:
 
 def batch_output_tokens(batch: int) -> int:
     """The tokens a decode_batch of `batch` requests decodes."""
-    return (batch - 1) * (DECODE_TOKENS + LEAD_TOKENS) + DECODE_TOKENS
+    return (batch - 1) * BATCH_TOKENS + DECODE_TOKENS
 
 
 def warm_batch(client, model: str, prompts: list) -> None:
@@ -475,8 +476,8 @@ def main() -> None:
     model = tiny_models.make("qwen3_moe", model_dir, preset=a.preset)
     ckpt = read_checkpoint(model)
     layers = len(ckpt.moe_layers)
-    if a.context + DECODE_TOKENS + LEAD_TOKENS > (limit := read_model_config(model).max_position_embeddings):
-        p.error(f"--context {a.context} + {DECODE_TOKENS + LEAD_TOKENS} decoded tokens is more than the {a.preset} "
+    if a.context + BATCH_TOKENS > (limit := read_model_config(model).max_position_embeddings):
+        p.error(f"--context {a.context} + {BATCH_TOKENS} decoded tokens is more than the {a.preset} "
                 f"model's {limit} positions")
     prompt = long_prompt(model, a.context)
     serve_args = vllm_args(model, a.context, a.batch)
@@ -532,7 +533,7 @@ def main() -> None:
     for regime, delays in regimes.items():
         lines.append(f"{regime}: workers hold each reply {delays['delay_ms']:.2f} ms + "
                      f"{delays['delay_us_per_row']:.1f} µs per row (benchmark-only emulation of pool B)")
-    lines.append(f"batch {a.batch} requests, prompt {context} tokens, {DECODE_TOKENS + LEAD_TOKENS} tokens decoded each "
+    lines.append(f"batch {a.batch} requests, prompt {context} tokens, {BATCH_TOKENS} tokens decoded each "
                  f"({DECODE_TOKENS} by the probe); "
                  f"{layers} MoE layers, {a.workers} workers; without delays the attention node is busy {attention_ms:.2f} ms and waits "
                  f"{own_remote_ms:.2f} ms for the workers per MoE layer")

@@ -43,7 +43,7 @@ import numpy as np
 
 import tiny_models
 from benchmarks.bench_pingpong import (
-    DECODE_TOKENS, LEAD_TOKENS, VLLM_ARGS, Cluster, Server, batch_size, measure_interleaved, prompt_tokens,
+    BATCH_TOKENS, DECODE_TOKENS, LEAD_TOKENS, VLLM_ARGS, Cluster, Server, batch_size, measure_interleaved, prompt_tokens,
 )  # fmt: skip
 from protos.checkpoint import read_checkpoint
 from benchmarks import machine
@@ -163,7 +163,7 @@ def main() -> None:
                  "shares dealt away from their home worker")  # fmt: skip
     lines.append(f"workers hold each reply {a.us_per_row:.1f} µs per token row (benchmark-only emulation of pool B); "
                  f"batch {a.batch} requests, distinct prompts of {static.prompt_tokens} tokens on average, "
-                 f"{DECODE_TOKENS + LEAD_TOKENS} tokens decoded each ({DECODE_TOKENS} by the probe); "
+                 f"{BATCH_TOKENS} tokens decoded each ({DECODE_TOKENS} by the probe); "
                  f"{len(ckpt.moe_layers)} MoE layers, 8 workers, m = 1")  # fmt: skip
     report = "\n".join(lines)
     print(report)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from attention_server.config import DATA_PLANES, bytes_flag, microbatches_flag
 from cluster.certs import has_certs, make_certs, reuse_or_make
-from cluster.launcher import Cluster, ClusterSpec, PortClashError, stop_detached
+from cluster.launcher import RECORD, Cluster, ClusterSpec, PortClashError, stop_recorded
 from protos import security
 from protos.checkpoint import read_checkpoint
 from protos.placement import available_host_memory, choose_replicas, replicas_flag
@@ -162,7 +162,7 @@ def up(a: argparse.Namespace) -> int:
     except PortClashError as e:
         print(f"cluster up: {e}", file=sys.stderr)
         return 2
-    if (spec.run_dir / "cluster.json").exists():
+    if (spec.run_dir / RECORD).exists():
         print(f"a detached cluster is recorded in {spec.run_dir}; run `python -m cluster down` first", file=sys.stderr)
         return 1
     cluster = Cluster(spec)
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {a.dir}: pool A needs {', '.join(security.role_files('attention'))}; pool B needs "
               f"{', '.join(security.role_files('worker'))}; keep {security.CA_KEY} off both", flush=True)  # fmt: skip
         return 0
-    if not stop_detached(a.run_dir):
+    if not stop_recorded(a.run_dir):
         print(f"no cluster recorded in {a.run_dir}")
     return 0
 

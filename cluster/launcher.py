@@ -139,6 +139,8 @@ class ClusterSpec:
         ]  # fmt: skip
 
 
+RECORD = "cluster.json"  # in the run directory: the pid of each process of a running cluster, for `down`
+STOPPING = "cluster.stopping.json"  # where `down` moves a cluster's record before it stops the cluster
 WORKER_RESTART_INTERVAL_S = 5.0  # a worker that keeps exiting is restarted at most this often
 
 
@@ -150,7 +152,7 @@ class Cluster:
 
     @property
     def state_file(self) -> Path:
-        return self.spec.run_dir / "cluster.json"
+        return self.spec.run_dir / RECORD
 
     def _spawn(self, name: str, cmd: list[str], log_to_terminal: bool, append: bool = False) -> None:
         log = None if log_to_terminal else open(self.spec.run_dir / f"{name}.log", "ab" if append else "wb")  # noqa: SIM115
@@ -327,17 +329,14 @@ def stop_in_order(pids: dict[str, int], reap=lambda: None) -> None:
     stop_pids(pids, reap)
 
 
-STOPPING = "cluster.stopping.json"  # where `down` moves a cluster's record before it stops the cluster
-
-
-def stop_detached(run_dir: Path) -> bool:
+def stop_recorded(run_dir: Path) -> bool:
     """Stop the cluster recorded in run_dir: one started with --detach, or one that `up` runs in the foreground
     elsewhere. The record moves to STOPPING first, so that such an `up`, seeing its attention server stop and its
     record gone, knows that `down` stopped it (it then stops its workers as well, racing this). False when no
     cluster is recorded there."""
     taken = run_dir / STOPPING
     try:
-        os.replace(run_dir / "cluster.json", taken)
+        os.replace(run_dir / RECORD, taken)
     except FileNotFoundError:
         return False
     stop_in_order(json.loads(taken.read_text()))
