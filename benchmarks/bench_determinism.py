@@ -59,7 +59,8 @@ class AtomicTritonExperts(TritonExperts):
         x = hidden.contiguous()
         cfg = self.config or TritonConfig.for_load(pair_rows.numel(), self.num_experts)
         routes = self.route(pair_rows, pair_experts, pair_weights, x.shape[0])
-        act, out = self.gate_up(x, routes, cfg)
+        act = self.gate_up(x, routes, cfg)
+        out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)  # the atomics add into it
         w2, e = self.w2, self.num_experts
         num_n, num_m = -(-w2.padded_rows // cfg.block_n_down), self._row_blocks(act.shape[0], cfg)
         atomic_down_kernel[(num_n * num_m,)](

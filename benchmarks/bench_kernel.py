@@ -399,7 +399,7 @@ def triton_breakdown(experts, problems, device, iters) -> list[dict]:
     for p in problems:
         cfg = experts.config or TritonConfig.for_load(p.pair_rows.numel(), experts.num_experts)
         routes = experts.route(p.pair_rows, p.pair_experts, p.pair_weights, p.hidden.shape[0], True)
-        act, result = experts.gate_up(p.hidden, routes, cfg)
+        act = experts.gate_up(p.hidden, routes, cfg)
         part = experts.down(act, routes, cfg)
         parts = {
             "route": lambda p=p: experts.route(p.pair_rows, p.pair_experts, p.pair_weights, p.hidden.shape[0], True),
@@ -408,7 +408,7 @@ def triton_breakdown(experts, problems, device, iters) -> list[dict]:
             "torch sorts": lambda p=p: (torch.sort(p.pair_experts, stable=True), torch.sort(p.pair_rows, stable=True)),
             "gate_up": lambda: experts.gate_up(p.hidden, routes, cfg),
             "down": lambda: experts.down(act, routes, cfg),
-            "combine": lambda: experts.combine(part, routes, result, cfg),
+            "combine": lambda: experts.combine(part, routes, cfg),
             "all": lambda p=p: experts(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights, rows_ascending=True),
             "all rows sorted": lambda p=p: experts(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights),
         }

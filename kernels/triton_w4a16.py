@@ -35,17 +35,17 @@ a program owns TILES adjacent column blocks of its row block, in one loop over (
 down writes each pair's router-weighted row to its own row of a [P, H] buffer, bf16 by default (fp32: the
 buffer's dtype; SPLIT_K > 1: one such slice per run of k-blocks, each run its own programs); combine_kernel (one
 program per row and column block) sums a row's pairs in fp32 in (slice, pair) order. No float atomics: the output
-is bitwise the same run to run. gate_up also zeroes a slice of `out` (rows without pairs stay zero).
+is bitwise the same run to run; rows without pairs get zeros from it.
 Dependent launches (USE_GDC: CUDA, sm_90+, launched with launch_pdl): gate_up, down and the combine may
 start while the launch before them still runs, so their programs are resident and set up when the previous
 launch ends. gate_up waits for the routing (gdc_wait) before touching memory -- what it writes, and any
 buffer the caching allocator may have handed over from a tensor freed behind it -- and only then lets down
-start. down waits finer (WAIT_EXPERT), on integer counters the routing zeroes (ready [E+1]): gate_up adds 1
-at [e] per act tile of expert e it has stored and at [E] when a program ends; a down program waits for its
-expert's act tiles alone (release / acquire at GPU scope), so it starts on the experts that are ready while
-gate_up's last programs still run (their tail), and the combine, after down, waits for all of gate_up's
-programs (their zeros in out). No deadlock: a dependent grid starts only once every program of the grid
-before it has started. Without WAIT_EXPERT, down waits for the whole of gate_up (gdc_wait).
+start. down waits finer (WAIT_EXPERT), on integer counters the routing zeroes (ready [E]): gate_up adds 1
+at [e] per act tile of expert e it has stored; a down program waits for its expert's act tiles alone
+(release / acquire at GPU scope), so it starts on the experts that are ready while gate_up's last programs still
+run (their tail). The combine waits for down (gdc_wait) and writes every row of the output. No deadlock: a
+dependent grid starts only once every program of the grid before it has started. Without WAIT_EXPERT, down waits
+for the whole of gate_up (gdc_wait).
 """
 from __future__ import annotations
 
@@ -256,8 +256,7 @@ def _zero_slice(ptr, start, end, BLOCK: tl.constexpr):
 
 @triton.jit
 def _zero_ready(ready_ptr, numel, READY_BLOCK: tl.constexpr):
-    """Program pid's share of ready[0..numel) = 0 (gate_up's per-expert counts of finished act tiles and its count
-    of finished programs)."""
+    """Program pid's share of ready[0..numel) = 0 (gate_up's per-expert counts of finished act tiles)."""
     chunk = tl.cdiv(numel, tl.num_programs(0))
     start = tl.program_id(0) * chunk
     _zero_slice(ready_ptr, start, tl.minimum(start + chunk, numel), READY_BLOCK)
@@ -309,7 +308,7 @@ def scan_route_kernel(
     experts_ptr, rows_ptr, weights_ptr, P, E, T,  # [P] local expert, row (< T), router weight of each pair
     bounds_ptr, srows_ptr, sweights_ptr, spairs_ptr,  # out: [E+1] int32; [P] row, fp32 weight, pair by expert
     crows_ptr, cpairs_ptr, rbounds_ptr,  # out: [P] int32 row and pair sorted by (row, pair); [T+1] int32
-    ready_ptr,  # out: [E+1] int32 zeroed (_zero_ready)
+    ready_ptr,  # out: [E] int32 zeroed (_zero_ready)
     BLOCK_P: tl.constexpr, KEYS: tl.constexpr, READY_BLOCK: tl.constexpr, ROWS_ASCENDING: tl.constexpr,
     ROW_KEYS: tl.constexpr, USE_GDC: tl.constexpr,
 ):
@@ -321,7 +320,7 @@ def scan_route_kernel(
     if USE_GDC:
         gdc_launch_dependents()
     pid = tl.program_id(0)
-    _zero_ready(ready_ptr, E + 1, READY_BLOCK)
+    _zero_ready(ready_ptr, E, READY_BLOCK)
     expert_programs = tl.cdiv(E, KEYS)
     if pid < expert_programs:
         _scan_keys(experts_ptr, pid * KEYS, E, P, bounds_ptr, spairs_ptr, srows_ptr, rows_ptr, weights_ptr,
@@ -382,14 +381,14 @@ def route_count_kernel(
     counts_ptr, stride_c, num_blocks,  # out: [2, 1 + NUM_DIGITS * num_blocks] int32: by expert (the first
     # 1 + EXPERT_DIGITS * num_blocks), by row digit
     rbounds_ptr,  # out, ROWS_ASCENDING: [T+1] int32, the first position of each row (P past the last)
-    ready_ptr, E,  # out: [E+1] int32 zeroed (_zero_ready)
+    ready_ptr, E,  # out: [E] int32 zeroed (_zero_ready)
     BLOCK_P: tl.constexpr, EXPERT_DIGITS: tl.constexpr, NUM_DIGITS: tl.constexpr, READY_BLOCK: tl.constexpr,
     BY_ROW: tl.constexpr, ROWS_ASCENDING: tl.constexpr,
 ):
     """The first pass's counts: experts (< EXPERT_DIGITS) and, BY_ROW, the rows' low digit (row % NUM_DIGITS).
     ROWS_ASCENDING (the rows never decrease; not BY_ROW): program b's pairs also store the starts of the rows that
     begin at them (_row_starts_scattered), the last program's the starts past the last pair's row."""
-    _zero_ready(ready_ptr, E + 1, READY_BLOCK)
+    _zero_ready(ready_ptr, E, READY_BLOCK)
     _store_counts(experts_ptr, 0, P, counts_ptr, num_blocks, BLOCK_P, EXPERT_DIGITS)
     if BY_ROW:
         _store_counts(rows_ptr, 0, P, counts_ptr + stride_c, num_blocks, BLOCK_P, NUM_DIGITS)
@@ -597,30 +596,27 @@ def gate_up_kernel(
     w_ptr, stride_we, stride_wt,  # [E, 2*Ip/TN, Hp/BK, TN, BK/4] int16: expert, row-tile strides
     s_ptr, stride_se, stride_sg,  # [E, Hp/G, 2*Ip] fp32
     act_ptr, stride_at,  # [P, I] out: act(gate) * up, at each pair's sorted position
-    zero_ptr, zero_numel, zero_chunk,  # fp32 buffer this kernel zeroes (the combine's output)
-    ready_ptr,  # [E+1] int32, zeroed by the routing: +1 at [e] per finished act tile of expert e, at [E] per program
+    ready_ptr,  # [E] int32, zeroed by the routing: +1 at [e] per finished act tile of expert e
     num_n, num_m, E, I, Ip, H,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     ACTIVATION: tl.constexpr, IS_BF16: tl.constexpr, USE_PTX: tl.constexpr, SWAP_AB: tl.constexpr,
     SCALE_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-    ZERO_BLOCK: tl.constexpr, EXPERT_GRID: tl.constexpr, LATE_DEPENDENTS: tl.constexpr, USE_GDC: tl.constexpr,
-    TILES: tl.constexpr,
+    EXPERT_GRID: tl.constexpr, LATE_DEPENDENTS: tl.constexpr, USE_GDC: tl.constexpr, TILES: tl.constexpr,
 ):
     """One program: BLOCK_N gate columns and their up columns of BLOCK_M sorted positions of one expert
     (program = _work_item's; TILES > 1: TILES adjacent column blocks, num_n a multiple of TILES), or EXPERT_GRID
     of each of the expert's row blocks in turn (program = column block * E + expert). Each act tile it stores
-    it counts in ready[e]; its end in ready[E].
+    it counts in ready[e].
     LATE_DEPENDENTS: down may start only once every program has waited for the routing (down, or the combine
     after it, then reads the routing's output without a gdc_wait of its own)."""
     pid = tl.program_id(0)
     if USE_GDC:
         if not LATE_DEPENDENTS:
             gdc_launch_dependents()
-        gdc_wait()  # the routing's output, and `out` (its memory may have been a tensor the routing still reads)
+        gdc_wait()  # the routing's output, and `act` (its memory may have been a tensor the routing still reads)
         if LATE_DEPENDENTS:
             gdc_launch_dependents()
-    _zero_slice(zero_ptr, pid * zero_chunk, tl.minimum(pid * zero_chunk + zero_chunk, zero_numel), ZERO_BLOCK)
 
     if EXPERT_GRID:
         e = pid % E
@@ -644,7 +640,6 @@ def gate_up_kernel(
                                TILE_N, ACTIVATION, IS_BF16, USE_PTX, SWAP_AB, SCALE_W, EVEN_K, EVEN_N, NUM_STAGES,
                                TILES)
             _signal(ready_ptr + e, TILES)
-    _signal(ready_ptr + E)
 
 
 @triton.jit
@@ -765,7 +760,7 @@ def down_kernel(
     s_ptr, stride_se, stride_sg,  # [E, Ip/G, Hp] fp32
     part_ptr, stride_ps, stride_pp,  # [SPLIT_K, P, H] fp32 or bf16 out: each pair's router-weighted row (its
     # share of the k-blocks), at its pair index
-    ready_ptr, gate_up_n,  # [E+1] int32 (gate_up_kernel's); gate_up's column blocks
+    ready_ptr, gate_up_n,  # [E] int32 (gate_up_kernel's); gate_up's column blocks
     num_n, num_m, E, H, Hp, I,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_N: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -881,24 +876,19 @@ def down_rows(
 def combine_kernel(
     part_ptr, stride_ps, stride_pp,  # [SPLITS, P, H] fp32 or bf16 router-weighted pair rows (down's k-splits)
     cpairs_ptr, rbounds_ptr, stride_rb,  # [P] int32 pair index sorted by (row, pair); [T+1] int32 (strided)
-    out_ptr, stride_ot,  # [T, H] fp32; rows without pairs keep the zeros gate_up wrote
-    ready_ptr, E, gate_up_programs,  # [E+1] int32: ready[E] counts gate_up's finished programs
-    H, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WAIT_GATE_UP: tl.constexpr,
-    PAIR_ORDER: tl.constexpr, USE_GDC: tl.constexpr,
+    out_ptr, stride_ot,  # [T, H] fp32, every element written (rows without pairs: zeros)
+    H, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PAIR_ORDER: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """out[t] = row t's pairs' rows summed in pair order, BLOCK_R at a time, split after split: a fixed
     order, no atomics.
 
     Program (t, nb): row t's pairs are positions [rbounds[t], rbounds[t+1]) of cpairs. One program per
-    row, not per position: no programs that only find they start no run.
-    WAIT_GATE_UP: it waits for all of gate_up's programs (their zeros in out), which down's end no longer implies
-    when down waited per expert. PAIR_ORDER: the pairs are in row order (rows ascending), position j is pair j
-    (cpairs unused).
+    row, not per position: no programs that only find they start no run. A row without pairs gets zeros.
+    PAIR_ORDER: the pairs are in row order (rows ascending), position j is pair j (cpairs unused).
     """
     if USE_GDC:
         gdc_wait()  # down's pair rows
-    if WAIT_GATE_UP:
-        _wait_count(ready_ptr + E, gate_up_programs)
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = offs_n < H
@@ -916,4 +906,4 @@ def combine_kernel(
             part = tl.load(part_ptr + sp * stride_ps + pairs[:, None] * stride_pp + offs_n[None, :],
                            mask=mine[:, None] & n_mask[None, :], other=0.0).to(tl.float32)  # [BR, BN]
             acc += tl.sum(part, axis=0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, acc, mask=tl.where(hi > lo, n_mask, False))
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, acc, mask=n_mask)

@@ -4,10 +4,10 @@
                     ranking launch, for few pairs and rows; else counting sorts: route_count_kernel, cumsum,
                     route_scatter_kernel, and for rows of more than 8 bits digit_count_kernel,
                     cumsum, digit_scatter_kernel per further digit)
-    gate_up_kernel: x[rows] @ w13[e]^T -> act(gate) * up          [P, I]  (fp16/bf16); zeroes out
+    gate_up_kernel: x[rows] @ w13[e]^T -> act(gate) * up          [P, I]  (fp16/bf16)
     down_kernel:    act @ w2[e]^T * router weight -> pair rows     [S, P, H]  (bf16; S = split_k runs of k)
-    combine_kernel: each row's pair rows summed in (split, pair) order  [T, H]  (fp32), one program per row and
-                    COMBINE_BLOCK_N columns
+    combine_kernel: each row's pair rows summed in (split, pair) order  [T, H]  (fp32; zeros for a row without
+                    pairs), one program per row and COMBINE_BLOCK_N columns
 No float atomics anywhere: the output is bitwise identical run to run. On CUDA sm_90+ gate_up, down and
 the combine are programmatic dependent launches: each may start under the launch before it and waits for it
 before touching memory.
@@ -175,6 +175,18 @@ class TritonConfig:
     interleaved rounds, Qwen3): down's k-loop does not compile (make_ttgir: PassManager::run failed), its loads through
     pointers or through TMA; gate_up's multi-tile loop compiles and is bitwise the same but no faster, 143.7 / 417.2
     against 144.3 / 417.3 at M = 64 / 256, with its weights through TMA 146.1 / 419.7 against 144.2 / 419.6.
+
+    The combine writes every row of the output (zeros for a row without pairs), so gate_up no longer zeroes it and the
+    combine no longer waits for all of gate_up's programs (H100, 2026-12-06, one run, graph us of the whole layer, best
+    of three interleaved rounds, the same change behind a flag; every output bitwise equal): Qwen3 at M = 1 / 2 / 4 / 8
+    / 16 115.71 / 116.66 / 118.80 / 121.72 / 134.54 -> 115.38 / 116.41 / 118.33 / 121.01 / 133.00, at M = 64 239.3 /
+    250.7 / 254.9 -> 248.8 / 251.5 / 249.6 (its rounds' spread); Mixtral at M = 1 / 8 263.52 / 266.19 -> 263.52 /
+    265.52. Not kept, the same run: the routing's ranking programs asking L2 (prefetch.global.L2, inline PTX) for
+    their expert's first gate_up k-block or two and its scales, once counted (or before counting), for all experts or
+    the first 80 (those of gate_up's first wave), so that the weights stream while the routing runs: slower at every
+    M, with L2::evict_last too. Qwen3 at M = 1 / 8 / 16 116.2-117.5 / 121.9-123.0 / 135.4-136.2 against 115.7 / 121.7 /
+    134.5 (the routing alone 1-2 us slower), Mixtral 269-277 against 263.5 at M = 1 (the routing 8-16 us slower: a
+    k-block of its gate_up is 1.8 MB an expert).
 
     Decode (<= 16 pairs per expert), H200, Qwen3-30B-A3B shapes, graph time at 1 / 8 tokens per
     expert (bench_kernel --sweep, two runs, 2026-11-29): this default 101-102 / 108-111 us; 4 stages
@@ -374,7 +386,7 @@ class Routes:
     crows: torch.Tensor  # [P] int32 (the given rows where cpairs is None)
     cpairs: torch.Tensor | None  # [P] int32
     row_bounds: torch.Tensor  # [T+1] int32, a strided view
-    ready: torch.Tensor  # [E+1] int32, zeroed by the routing: gate_up's finished act tiles per expert, its programs
+    ready: torch.Tensor  # [E] int32, zeroed by the routing: gate_up's finished act tiles per expert
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,7 +479,7 @@ class TritonExperts(PreparedExperts):
         else:
             crows, cpairs = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(2))
         router = torch.empty(p, dtype=torch.float32, device=dev)
-        ready = torch.empty(e + 1, dtype=torch.int32, device=dev)  # zeroed by the first routing launch
+        ready = torch.empty(e, dtype=torch.int32, device=dev)  # zeroed by the first routing launch
         if rows_ascending:
             ranked = p <= ROUTE_SCAN_MAX_PAIRS_ASCENDING
         else:
@@ -570,9 +582,7 @@ class TritonExperts(PreparedExperts):
             return torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
         cfg = self.config or TritonConfig.for_load(num_pairs, self.num_experts)
         routes = self.route(pair_rows, pair_experts, pair_weights, x.shape[0], rows_ascending)
-        act, out = self.gate_up(x, routes, cfg)
-        self.combine(self.down(act, routes, cfg), routes, out, cfg)
-        return out
+        return self.combine(self.down(self.gate_up(x, routes, cfg), routes, cfg), routes, cfg)
 
     def _row_blocks(self, num_pairs: int, cfg: TritonConfig) -> int:
         """An upper bound on the BLOCK_M-row blocks of all experts: one partial block per expert, each
@@ -585,33 +595,30 @@ class TritonExperts(PreparedExperts):
         programs = num_n // _tiles(num_n, cfg.tiles_gate_up) * (self.num_experts if cfg.expert_grid else num_m)
         return num_n, num_m, programs
 
-    def gate_up(self, x, routes: Routes, cfg: TritonConfig):
-        """-> act [P, I] in x's dtype (sorted positions), out [T, H] fp32 zeroed for `combine`. Counts its finished
-        act tiles and programs in routes.ready (down and the combine wait on those)."""
+    def gate_up(self, x, routes: Routes, cfg: TritonConfig) -> torch.Tensor:
+        """-> act [P, I] in x's dtype (sorted positions). Counts its finished act tiles in routes.ready (down waits
+        on those)."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         act = torch.empty(routes.rows.numel(), i, dtype=x.dtype, device=x.device)  # [P, I]
-        out = torch.empty(x.shape[0], h, dtype=torch.float32, device=x.device)  # [T, H], zeroed by gate_up
         w13 = self.w13
         num_n, num_m, programs = self._gate_up_grid(act.shape[0], cfg)
-        zero_chunk = _cdiv(_cdiv(out.numel(), programs), 64) * 64
         self.kernels.gate_up_kernel[(programs,)](
             x, x.stride(0),
             routes.rows, routes.bounds, routes.bounds.stride(0),
             w13.w, w13.w.stride(0), w13.w.stride(1),
             w13.s, w13.s.stride(0), w13.s.stride(1),
-            act, act.stride(0),
-            out, out.numel(), zero_chunk, routes.ready,
+            act, act.stride(0), routes.ready,
             num_n, num_m, e, i, w13.padded_rows, h,
             GROUP=w13.group_size, BLOCK_K=w13.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_gate_up,
             TILE_N=w13.block_n, GROUP_M=cfg.group_m, BLOCK_E=_expert_slots(e),
             ACTIVATION=self.activation, IS_BF16=x.dtype == torch.bfloat16, USE_PTX=_use_ptx(cfg, x),
             SWAP_AB=cfg.swap_ab, SCALE_W=cfg.scale_weights, EVEN_K=h % w13.block_k == 0,
             EVEN_N=w13.padded_rows % cfg.block_n_gate_up == 0,
-            NUM_STAGES=cfg.num_stages, ZERO_BLOCK=1024, EXPERT_GRID=cfg.expert_grid,
+            NUM_STAGES=cfg.num_stages, EXPERT_GRID=cfg.expert_grid,
             LATE_DEPENDENTS=cfg.wait_per_expert, TILES=_tiles(num_n, cfg.tiles_gate_up),
             **_launch_options(cfg, x, cfg.num_warps),
         )
-        return act, out
+        return act
 
     def down(self, act, routes: Routes, cfg: TritonConfig) -> torch.Tensor:
         """-> [split_k, P, H] bf16 (fp32 unless bf16_pair_rows): row p of slice s is pair p's router * (act @ w2^T)
@@ -641,18 +648,18 @@ class TritonExperts(PreparedExperts):
         )
         return part
 
-    def combine(self, part, routes: Routes, out, cfg: TritonConfig) -> None:
-        """out[row] = sum of its pairs' rows of `part` [S, P, H], in (split, pair) order (rows without pairs
-        untouched). Waits for all of gate_up's programs (its zeros in out) in routes.ready."""
+    def combine(self, part, routes: Routes, cfg: TritonConfig) -> torch.Tensor:
+        """-> out [T, H] fp32: row t the sum of its pairs' rows of `part` [S, P, H], in (split, pair) order (zeros
+        for a row without pairs)."""
         h = self.hidden_size
+        out = torch.empty(routes.row_bounds.shape[0] - 1, h, dtype=torch.float32, device=part.device)
         self.kernels.combine_kernel[(out.shape[0], _cdiv(h, COMBINE_BLOCK_N))](
             part, part.stride(0), part.stride(1), routes.pairs if routes.cpairs is None else routes.cpairs,
-            routes.row_bounds, routes.row_bounds.stride(0),
-            out, out.stride(0), routes.ready, self.num_experts, self._gate_up_grid(routes.rows.numel(), cfg)[2], h,
-            BLOCK_R=COMBINE_BLOCK_R, BLOCK_N=COMBINE_BLOCK_N, SPLITS=part.shape[0], WAIT_GATE_UP=cfg.wait_per_expert,
-            PAIR_ORDER=routes.cpairs is None,
+            routes.row_bounds, routes.row_bounds.stride(0), out, out.stride(0), h,
+            BLOCK_R=COMBINE_BLOCK_R, BLOCK_N=COMBINE_BLOCK_N, SPLITS=part.shape[0], PAIR_ORDER=routes.cpairs is None,
             **_launch_options(cfg, part, num_warps=COMBINE_WARPS),
         )
+        return out
 
 
 def _tiles(num_n: int, tiles: int) -> int:

@@ -43,6 +43,22 @@ def check_route(experts: int, pairs: int, num_rows: int, gen: torch.Generator, r
     assert torch.equal(routes.row_bounds.long(), starts)
 
 
+def with_nan_buffers(fn):
+    """fn() with every floating-point buffer that torch.empty allocates filled with NaN, so an element the layer
+    returns without writing it shows."""
+    allocate = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = allocate(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = poisoned
+    try:
+        return fn()
+    finally:
+        torch.empty = allocate
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     # (experts, pairs, rows): one ranking launch (a key per program; 8 keys; 2 keys over two steps of pairs),
@@ -60,14 +76,15 @@ def main() -> None:
             check_route(experts, pairs, num_rows, gen, rows_ascending)
         triton_moe.ROUTE_SCAN_MAX_WORK, triton_moe.ROUTE_SCAN_MAX_PAIRS_ASCENDING = limits
     # (experts, hidden, inter, group, tokens per expert, rows, config); rows None = 2 * tokens + 1. First: partial
-    # N tiles; second: 2 M tiles, gelu; third: all 20 pairs on one row, so the combine adds more than one window
-    # (COMBINE_BLOCK_R = 8) of a row's pairs; fourth: main's decode grid (a program per expert and column block walks
-    # the expert's two row blocks), down's one k-block split three ways (two empty splits); fifth and sixth: the
-    # prefill path (weights as the left operand with the scales on them, blocks of two stored tiles, the last one
-    # partial: N 160 padded to 192 against blocks of 128; three row blocks per expert, two per column turn), the sixth
-    # without swapping, with scales on the partials and down's two k-blocks split in two; seventh and eighth: a gate_up
-    # program takes several column blocks (tiles_gate_up): both prefill blocks, the second partial; three decode ones;
-    # ninth: down's pair rows in fp32, the others' in bf16 (stores and loads only: no bitcast to bf16).
+    # N tiles; second: 2 M tiles, gelu, and again with every buffer NaN (its rows without pairs must be zeros); third:
+    # all 20 pairs on one row, so the combine adds more than one window (COMBINE_BLOCK_R = 8) of a row's pairs; fourth:
+    # main's decode grid (a program per expert and column block walks the expert's two row blocks), down's one k-block
+    # split three ways (two empty splits); fifth and sixth: the prefill path (weights as the left operand with the
+    # scales on them, blocks of two stored tiles, the last one partial: N 160 padded to 192 against blocks of 128;
+    # three row blocks per expert, two per column turn), the sixth without swapping, with scales on the partials and
+    # down's two k-blocks split in two; seventh and eighth: a gate_up program takes several column blocks
+    # (tiles_gate_up): both prefill blocks, the second partial; three decode ones; ninth: down's pair rows in fp32, the
+    # others' in bf16 (stores and loads only: no bitcast to bf16).
     prefill = TritonConfig(block_m=32, block_n_gate_up=128, block_n_down=128, tile_n_down=64, swap_ab=True,
                            scale_weights=True, group_m=2, num_warps=8)
     cases = [
@@ -98,6 +115,12 @@ def main() -> None:
         ref = moe_experts_w4a16_reference(x, pair_rows, pair_experts, pair_weights, weights, activation)
         err = (out - ref).abs().max().item() / ref.abs().max().item()
         assert err < 1e-2, f"case {experts, hidden, inter, group, tokens}: relative error {err}"
+        if i == 1:  # rows without pairs: zeros, written by the combine whatever the buffer held
+            empty = torch.ones(rows, dtype=torch.bool)
+            empty[pair_rows] = False
+            assert empty.any()
+            again = with_nan_buffers(lambda: prepared(x, pair_rows, pair_experts, pair_weights))
+            assert torch.equal(again, out) and not out[empty].any()
         if i in (2, 4):  # the combine over more than one window of a row's pairs; the prefill path
             # the pairs in row order (stable): the same bits with and without the promise that the rows ascend
             order = torch.sort(pair_rows, stable=True).indices
