@@ -3,6 +3,7 @@ and the routing against torch's stable sorts."""
 from __future__ import annotations
 
 from dataclasses import replace
+from unittest import mock
 
 import torch
 
@@ -52,11 +53,8 @@ def with_nan_buffers(fn):
         t = allocate(*args, **kwargs)
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    torch.empty = poisoned
-    try:
+    with mock.patch.object(torch, "empty", poisoned):
         return fn()
-    finally:
-        torch.empty = allocate
 
 
 def main() -> None:
