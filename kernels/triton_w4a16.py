@@ -247,19 +247,15 @@ def _wait_count(count_ptr, need):
 
 
 @triton.jit
-def _zero_slice(ptr, start, end, BLOCK: tl.constexpr):
-    """ptr[start..end) = 0, BLOCK elements per store."""
-    for z in range(start, end, BLOCK):
-        offs = z + tl.arange(0, BLOCK)
-        tl.store(ptr + offs, tl.zeros([BLOCK], dtype=ptr.dtype.element_ty), mask=offs < end)
-
-
-@triton.jit
 def _zero_ready(ready_ptr, numel, READY_BLOCK: tl.constexpr):
-    """Program pid's share of ready[0..numel) = 0 (gate_up's per-expert counts of finished act tiles)."""
+    """Program pid's share of ready[0..numel) = 0 (gate_up's per-expert counts of finished act tiles), READY_BLOCK
+    counters per store."""
     chunk = tl.cdiv(numel, tl.num_programs(0))
     start = tl.program_id(0) * chunk
-    _zero_slice(ready_ptr, start, tl.minimum(start + chunk, numel), READY_BLOCK)
+    end = tl.minimum(start + chunk, numel)
+    for z in range(start, end, READY_BLOCK):
+        offs = z + tl.arange(0, READY_BLOCK)
+        tl.store(ready_ptr + offs, tl.zeros([READY_BLOCK], dtype=ready_ptr.dtype.element_ty), mask=offs < end)
 
 
 # ---- routing ----------------------------------------------------------------------------------------
