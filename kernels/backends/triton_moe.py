@@ -134,6 +134,17 @@ class TritonConfig:
     272.9 / 793.0 -> 274.6 / 796.1 / 276.2 / 803.6; Mixtral at M = 1 / 16 202.4 / 221.6 -> 196.7 / 222.4 / 210.2 /
     237.9, skewed at M = 1 172.3 -> 153.9 / 163.1. Every output bitwise equal to the first path's. So
     wait_per_expert by default, the per-pair wait not.
+    Not kept either (H100, 2026-12-06, graph us of the whole layer, best of three interleaved rounds, every output
+    bitwise equal; "skewed" as above, rows ascending): a down program asking L2 for its first 4 / 8 weight k-blocks
+    and their scales (cp.async.bulk.prefetch.L2, one range per lane) before it waits for its expert's act tiles, so
+    that they stream while gate_up's last programs run: slower at every M, the more so the more it asked. Qwen3 at M
+    = 1 / 8 / 16 / 64 / 256 / 1024 114.0 / 119.9 / 127.5 / 229.6 / 721.9 / 2856.4 -> 118.8 / 125.3 / 131.2 / 236.9 /
+    770.1 / 3007.2 (4 k-blocks) and 129.9 / 140.4 / 140.3 / 251.5 / 795.0 / 3098.3 (8), skewed at M = 1 / 8 / 64 71.8
+    / 125.5 / 320.5 -> 76.9 / 134.7 / 332.1 and 81.7 / 145.3 / 341.0; Mixtral at M = 1 / 16 / 64 / 256 256.5 / 285.2
+    / 405.4 / 1312.2 -> 256.9 / 288.0 / 442.9 / 1336.8 and 262.4 / 289.5 / 471.7 / 1367.9 (with down on 2 stages
+    too, slower still). Nor (the next call, same GPU kind) a nanosleep of 200 / 1000 ns between the waiting
+    program's polls of its counter: Qwen3 at M = 1 / 8 / 16 within 0.3 us (113.8 / 119.9 / 128.1), at M = 64 / 256
+    229.8 / 717.8 -> 237.8 / 731.4 and 240.0 / 730.8, Mixtral at M = 16 283.9 -> 287.9 / 287.0.
     Tried the same day and not kept (Qwen3, graph us at M = 1 / 2 / 4 / 8 / 16, against 95.7 / 97.2 / 98.4 /
     103.1 / 113.6 in the same run): one program per (expert, column block) for each expert's first row block and
     row-block programs for the rest, 94.2 / 95.8 / 98.6 / 104.1 / 115.5, skewed (at most 5 / 8 / 20 / 39 / 116
