@@ -19,6 +19,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,29 +115,37 @@ def _hipcc() -> str:
     return tool
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", action="append", choices=TARGETS, help="default: all")
-    parser.add_argument("--out", type=Path, help="write <arch>.s here")
+def per_arch_command(argv: list[str] | None, doc: str, targets: tuple[str, ...], out_help: str,
+                     check_arch: Callable[[str, Path | None], bool]) -> int:
+    """The command line the ISA checks share: --arch (repeated; default every target) and --out DIR.
+    check_arch(arch, out) prints its findings and returns whether arch failed; -> the exit status."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--arch", action="append", choices=targets, help="default: all")
+    parser.add_argument("--out", type=Path, help=out_help)
     args = parser.parse_args(argv)
-    failed = False
-    for arch in args.arch or TARGETS:
-        try:
-            kernel = HipFdot2Backend().build("hip", (arch,))
-            isa = library_isa(kernel, arch)
-        except KernelBuildError as err:
-            print(f"{arch}: FAIL {err}")
-            failed = True
-            continue
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"{arch}.s").write_text(isa)
-        report = inspect(arch, isa)
-        status = "FAIL " + "; ".join(report.problems) if report.problems else "ok"
-        print(f"{arch}: {status} (fdot2 instructions {report.fdot2_count}, wmma {report.wmma_count}, "
-              f"wave32 {report.wave32}; {kernel.library})")
-        failed |= bool(report.problems)
-    return 1 if failed else 0
+    failed = [check_arch(arch, args.out) for arch in args.arch or targets]
+    return 1 if any(failed) else 0
+
+
+def _check_library(arch: str, out: Path | None) -> bool:
+    try:
+        kernel = HipFdot2Backend().build("hip", (arch,))
+        isa = library_isa(kernel, arch)
+    except KernelBuildError as err:
+        print(f"{arch}: FAIL {err}")
+        return True
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{arch}.s").write_text(isa)
+    report = inspect(arch, isa)
+    status = "FAIL " + "; ".join(report.problems) if report.problems else "ok"
+    print(f"{arch}: {status} (fdot2 instructions {report.fdot2_count}, wmma {report.wmma_count}, "
+          f"wave32 {report.wave32}; {kernel.library})")
+    return bool(report.problems)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return per_arch_command(argv, __doc__, TARGETS, "write <arch>.s here", _check_library)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backends.base import ExpertBackend, Support
+from kernels.backends.base import ExpertBackend, Support, is_rocm
 from kernels.quant import QuantScheme
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def create_backend(name: str) -> ExpertBackend:
 
 def priority(device: torch.device) -> list[str]:
     """RDNA2 (gfx103x) has fdot2 and no WMMA: the HIP kernel first; elsewhere Triton leads."""
-    if device.type == "cuda" and torch.version.hip is not None:
+    if is_rocm(device):
         arch = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
         if arch.startswith("gfx103"):
             return ["hip_fdot2", "triton", "cpu", "reference"]

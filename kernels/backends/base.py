@@ -21,6 +21,11 @@ from kernels.quant import QuantScheme, W4A16ExpertWeights
 from kernels.activations import ACTIVATION_NAMES as ACTIVATIONS
 
 
+def is_rocm(device: torch.device) -> bool:
+    """Whether `device` is an AMD GPU (torch's ROCm build names it cuda)."""
+    return device.type == "cuda" and torch.version.hip is not None
+
+
 @dataclass(frozen=True, slots=True)
 class Support:
     """A backend's answer to one question; `reason` says why not (or what it will do)."""
