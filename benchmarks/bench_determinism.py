@@ -22,7 +22,7 @@ import triton.language as tl
 
 from benchmarks.bench_kernel import MODELS, problem, random_weights, time_call, time_graph
 from kernels import triton_w4a16
-from kernels.backends.triton_moe import TritonConfig, TritonExperts, _expert_slots, _use_ptx
+from kernels.backends.triton_moe import TritonExperts, _expert_slots, _use_ptx
 from kernels.oracle import create_backend
 
 
@@ -57,7 +57,7 @@ class AtomicTritonExperts(TritonExperts):
 
     def __call__(self, hidden, pair_rows, pair_experts, pair_weights) -> torch.Tensor:
         x = hidden.contiguous()
-        cfg = self.config or TritonConfig.for_load(pair_rows.numel(), self.num_experts)
+        cfg = self.config_for(pair_rows.numel())
         routes = self.route(pair_rows, pair_experts, pair_weights, x.shape[0])
         act = self.gate_up(x, routes, cfg)
         out = torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)  # the atomics add into it

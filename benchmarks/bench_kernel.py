@@ -216,11 +216,11 @@ def run_backend(
 
 def _load_config(experts, p: Problem) -> str:
     """The launch parameters TritonExperts picks for this load (for_load), else ''."""
-    from kernels.backends.triton_moe import TritonConfig, TritonExperts
+    from kernels.backends.triton_moe import TritonExperts
 
     if not isinstance(experts, TritonExperts) or experts.config is not None:
         return ""
-    return _describe(TritonConfig.for_load(p.pair_rows.numel(), experts.num_experts), changed_only=True)
+    return _describe(experts.config_for(p.pair_rows.numel()), changed_only=True)
 
 
 TORCH_INT4_MAX_TOKENS = 64  # a decode ceiling: above it the loop over experts only costs run time
@@ -351,14 +351,14 @@ def prefill_neighbours(cfg) -> list:
     return list(dict.fromkeys(configs))
 
 
-def sweep_configs(num_experts: int, tokens: list[int]) -> dict:
-    """{launch configuration: the tokens per expert it is timed at}: for_load's choice at each M and its
-    neighbours, so the sweep answers whether for_load is a local optimum, per model shape."""
+def sweep_configs(num_experts: int, tokens: list[int], amd: bool) -> dict:
+    """{launch configuration: the tokens per expert it is timed at}: for_load's choice at each M (AMD's on an
+    AMD GPU) and its neighbours, so the sweep answers whether for_load is a local optimum, per model shape."""
     from kernels.backends.triton_moe import TritonConfig
 
     configs: dict = {}
     for m in tokens:
-        chosen = TritonConfig.for_load(m * num_experts, num_experts)
+        chosen = TritonConfig.for_load(m * num_experts, num_experts, amd)
         for cfg in (decode_neighbours if m <= DECODE_MAX_TOKENS else prefill_neighbours)(chosen):
             if m not in configs.setdefault(cfg, []):
                 configs[cfg].append(m)
@@ -370,12 +370,13 @@ def triton_sweep(weights, problems, device, iters, peaks: Peaks) -> tuple[list[R
 
     -> (rows, breakdown). Configurations with the same weight tiles share one packed copy of the weights.
     """
+    from kernels.backends.base import is_rocm
     from kernels.backends.triton_moe import TritonExperts
 
-    shape = problems[0].shape
+    shape, amd = problems[0].shape, is_rocm(device)
     packed: dict = {}
     rows = []
-    for config, tokens in sweep_configs(shape.experts, [p.tokens_per_expert for p in problems]).items():
+    for config, tokens in sweep_configs(shape.experts, [p.tokens_per_expert for p in problems], amd).items():
         subset = [p for p in problems if p.tokens_per_expert in tokens]
         try:
             layout = (config.block_k, config.tile_n_gate_up, config.tile_n_down)
@@ -392,12 +393,10 @@ def triton_breakdown(experts, problems, device, iters) -> list[dict]:
     """Graph-replay time (us) of each launch alone (route, gate_up, down, combine) next to the whole call, and
     of torch's two stable sorts (by expert, by row) that a torch routing would need at least; the routing and the
     whole call also without the promise that the rows ascend (the rows then sorted too)."""
-    from kernels.backends.triton_moe import TritonConfig
-
     shape = problems[0].shape
     out = []
     for p in problems:
-        cfg = experts.config or TritonConfig.for_load(p.pair_rows.numel(), experts.num_experts)
+        cfg = experts.config_for(p.pair_rows.numel())
         routes = experts.route(p.pair_rows, p.pair_experts, p.pair_weights, p.hidden.shape[0], True)
         act = experts.gate_up(p.hidden, routes, cfg)
         part = experts.down(act, routes, cfg)

@@ -903,3 +903,10 @@ def combine_kernel(
                            mask=mine[:, None] & n_mask[None, :], other=0.0).to(tl.float32)  # [BR, BN]
             acc += tl.sum(part, axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + offs_n, acc, mask=n_mask)
+
+
+@triton.jit
+def target_probe_kernel(out_ptr):
+    """Stores 1. Compiled, never launched, by kernels.backends.triton_moe to learn whether this Triton compiles
+    for a GPU's target at all (Triton 3.9's AMD backend has no RDNA2, for one)."""
+    tl.store(out_ptr, 1)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kernels.activations import ACTIVATION_CODES
-from kernels.backends.base import ExpertBackend, PreparedExperts, Support, symmetric_int4_support
+from kernels.backends.base import ExpertBackend, PreparedExperts, Support, is_rocm, symmetric_int4_support
 from kernels.quant import Int4Weights, QuantScheme, W4A16ExpertWeights, unpack_int4
 
 GROUP_SIZES = (32, 64, 128, 256)
@@ -109,6 +109,15 @@ class TritonConfig:
     125.7 against 112.0). Nor taken above M = 64: gate_up on 64-row blocks of 64 columns, 2 tiles, on 4 warps, down
     unchanged, 485.5 / 901.6 / 3435.9 against 438.5 / 796.1 / 2949.8 at M = 128 / 256 / 1024; down on 64-column
     tiles (4 warps, 180 registers, no spills on Triton 3.9) 480.4 / 872.9 / 3283.1.
+    Not kept either, letting the multi-tile loop's wgmmas overlap: ptxas (sm_90a, Triton 3.9 and 3.6) warns that
+    it serializes every wgmma of gate_up's loop when TILES > 1 (C7515: non-wgmma instructions define wgmma
+    accumulators within the loop, here the zeros written after each tile's store), and of no other GEMM that
+    for_load takes. Zeroing each tile's accumulators before its first MMA instead is a pattern Triton turns into
+    wgmma's own flag, and the warning goes, but it was no faster (H100, Triton 3.6, 2026-12-06, Qwen3, graph us,
+    best / median of seven interleaved rounds, bitwise the same): gate_up at M = 64 144.6 / 148.5 -> 150.3 (best of
+    three; 191 registers, so at most two programs per SM, not three), and capped at 160 registers 142.9 / 144.7 (the
+    layer 235.2 / 248.4 -> 239.4 / 242.5; 152 or 168 registers no better), at M = 48 132.6 / 140.1 -> 131.5 / 134.8:
+    within this GPU's spread between launches.
     dependent_launch: programmatic dependent launch (kernels/triton_w4a16.py) where the GPU has it: H200, graph
     us of the whole layer without / with it (2026-12-02, one run), Qwen3 at M = 1 / 2 / 4 / 8 / 16 109.1 /
     111.1 / 114.2 / 122.4 / 133.5 -> 106.1 / 108.8 / 111.7 / 120.2 / 133.1, Mixtral at M = 1 / 4 / 8 / 16
@@ -256,9 +265,10 @@ class TritonConfig:
                        num_stages=self.num_stages_down or self.num_stages, num_stages_down=None)
 
     @classmethod
-    def for_load(cls, num_pairs: int, num_experts: int) -> TritonConfig:
-        """The fastest configuration bench_kernel --sweep measured for the load (H200, Triton 3.6,
-        2026-12-02, commit 4344a33, graph time per tokens-per-expert M):
+    def for_load(cls, num_pairs: int, num_experts: int, amd: bool = False) -> TritonConfig:
+        """The configuration for the load: on AMD GPUs (amd) for_gfx11's, else the fastest configuration
+        bench_kernel --sweep measured (H200, Triton 3.6, 2026-12-02, commit 4344a33, graph time per
+        tokens-per-expert M):
 
         With down's per-expert wait (H200, 2026-12-04, `bench_kernel --models qwen3-30b-a3b --tokens 1,8,16 --sweep`,
         benchmarks/results/2026-12-04c-h200-bench_kernel-sweep.json, graph us at M = 1 / 8 / 16) the choices below
@@ -342,6 +352,8 @@ class TritonConfig:
         """
         per_expert = -(-num_pairs // num_experts)
         few = num_experts <= FEW_EXPERTS
+        if amd:
+            return cls.for_gfx11(per_expert, few)
         if per_expert <= 8:
             if few:
                 return cls(block_m=8, swap_ab=True, num_warps=2, group_m=1, block_m_down=16, swap_ab_down=False,
@@ -359,6 +371,28 @@ class TritonConfig:
             return cls(block_m=64, block_n_gate_up=128, block_n_down=256, num_warps=8, swap_ab=True, scale_weights=True)
         return cls(block_m=64, swap_ab=True, scale_weights=True, tiles_gate_up=2)
 
+    @classmethod
+    def for_gfx11(cls, per_expert: int, few: bool) -> TritonConfig:
+        """AMD RDNA3 (gfx11), chosen by the ISA alone and never timed (no AMD GPU here): configurations like
+        for_load's that compile without scratch for gfx1100 with Triton 3.9's AMD backend (the tests' Triton;
+        python -m kernels.triton_isa, run by tests/kernels/test_triton_isa.py) and with 3.6's (the GPU machine's).
+        Every configuration for_load takes on NVIDIA spills there in gate_up or down (2026-12-06, Triton 3.9, bytes
+        of scratch per lane, gate_up / down, at 256 VGPRs): 8-row swapped blocks at M <= 8 712 / 384 (236 / 192 at
+        best over 2-4 warps and 1-3 stages; x is an 8-wide operand that WMMA's 16 x 16 x 16 pads anyway); 16 rows
+        on 2 warps and 3 stages 52 / 0 (few experts: down on 4 warps and 4 stages 24); 32 rows 164 / 92; 64 rows
+        1868 / 512 (few experts 1780 / 364); 128 rows 3212 / 1416. Taken, with 2 stages (ROCm's guidance for a
+        GEMM's loop): up to M = 16 16-row blocks on 4 warps (VGPRs gate_up / down 229 / 200 on Triton 3.9, 232 / 246
+        on 3.6; on 2 warps 239 / 246 on 3.9 but 224 / 168 bytes of scratch on 3.6), few experts with down's k-blocks
+        split in two as on NVIDIA (229 / 200, 232 / 246); above, 32-row blocks on 8 warps (229 / 185, 227 / 242; on
+        4 warps down spills on both). Of the wider blocks tried only 64 swapped rows without pipelining (1 stage, 8
+        warps) spilled on neither (237 / 141, 227 / 191). Measure them with bench_kernel --sweep on the GPU before
+        trusting a speed."""
+        if per_expert <= 16:
+            if few:
+                return cls(num_warps=4, num_stages=2, split_k=2)
+            return cls(num_warps=4, num_stages=2)
+        return cls(block_m=32, num_warps=8, num_stages=2)
+
 
 class TritonBackend(ExpertBackend):
     name = "triton"
@@ -370,6 +404,10 @@ class TritonBackend(ExpertBackend):
             return Support.no("triton is not installed")
         if not torch.cuda.is_available():
             return Support.no("torch sees no GPU")
+        if is_rocm(device):
+            with torch.cuda.device(device):
+                if reason := compile_refusal(device):
+                    return Support.no(reason)
         return Support.yes()
 
     def supports_quant_scheme(self, scheme: QuantScheme) -> Support:
@@ -448,11 +486,15 @@ class TritonProjection:
 class TritonExperts(PreparedExperts):
     def __init__(
         self, weights: W4A16ExpertWeights, activation: str, device: torch.device,
-        config: TritonConfig | None = None,
+        config: TritonConfig | None = None, amd: bool | None = None,
     ) -> None:
+        """config: launch every call with it (else for_load's for each call's load); amd: take AMD's
+        configurations (default: whether `device` is a ROCm GPU; kernels.triton_isa compiles them for gfx11 on
+        the CPU)."""
         from kernels import triton_w4a16  # imports triton: only once a GPU layer is prepared
 
         self.kernels = triton_w4a16
+        self.amd = is_rocm(device) if amd is None else amd
         self.activation = ACTIVATION_CODES[activation]
         self.num_experts = weights.num_experts
         self.hidden_size = weights.hidden_size
@@ -470,6 +512,10 @@ class TritonExperts(PreparedExperts):
         other = copy.copy(self)
         other.config = config
         return other
+
+    def config_for(self, num_pairs: int) -> TritonConfig:
+        """The configuration a call with num_pairs pairs launches with."""
+        return self.config or TritonConfig.for_load(num_pairs, self.num_experts, self.amd)
 
     def route(self, pair_rows, pair_experts, pair_weights, num_rows: int, rows_ascending: bool = False) -> Routes:
         """Pairs grouped by expert and by row (rows in [0, num_rows)), both stable.
@@ -591,7 +637,7 @@ class TritonExperts(PreparedExperts):
         num_pairs = pair_rows.numel()
         if num_pairs == 0:
             return torch.zeros(x.shape[0], self.hidden_size, dtype=torch.float32, device=x.device)
-        cfg = self.config or TritonConfig.for_load(num_pairs, self.num_experts)
+        cfg = self.config_for(num_pairs)
         routes = self.route(pair_rows, pair_experts, pair_weights, x.shape[0], rows_ascending)
         return self.combine(self.down(self.gate_up(x, routes, cfg), routes, cfg), routes, cfg)
 
@@ -679,12 +725,27 @@ def _tiles(num_n: int, tiles: int) -> int:
 
 
 def _use_ptx(cfg: TritonConfig, x: torch.Tensor) -> bool:
-    return cfg.ptx_dequant and x.is_cuda and torch.version.hip is None
+    return cfg.ptx_dequant and x.is_cuda and not is_rocm(x.device)
+
+
+def compile_refusal(device: torch.device) -> str | None:
+    """None when the installed Triton compiles for its current target (the GPU `device` is on), else why not:
+    a one-store kernel warmed up there (compiled, not launched; the compiler's own messages go to stderr)."""
+    import triton
+
+    from kernels import triton_w4a16
+
+    try:
+        triton_w4a16.target_probe_kernel.warmup(torch.empty(1, dtype=torch.int32, device=device), grid=(1,))
+    except Exception as err:  # what each backend raises is its own (PassManager, LLVM, ...)
+        arch = triton.runtime.driver.active.get_current_target().arch
+        return f"Triton {triton.__version__} does not compile for {arch} ({type(err).__name__}: {err})"
+    return None
 
 
 def has_dependent_launch(device: torch.device) -> bool:
     """Whether kernels on `device` may signal and wait for dependent launches (CUDA, sm_90+)."""
-    return device.type == "cuda" and torch.version.hip is None and _capability(device.index)[0] >= 9
+    return device.type == "cuda" and not is_rocm(device) and _capability(device.index)[0] >= 9
 
 
 @functools.cache
