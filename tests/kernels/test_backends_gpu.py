@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels.backends.hip_fdot2 import HipFdot2Backend
-from kernels.backends.triton_moe import TritonBackend, TritonConfig, TritonExperts
+from kernels.backends.triton_moe import TritonBackend, TritonConfig, TritonExperts, compile_refusal
 from kernels.oracle import choose_backend
 from kernels.quant import W4A16ExpertWeights
 from kernels.reference import moe_experts_w4a16_reference
@@ -123,6 +123,21 @@ def test_triton_prefill_matches_reference(cuda, moe_problem, rel_error, hidden, 
     assert rel_error(out, _reference(p, x)) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("hidden,inter,group", SHAPES)
+# for_gfx11's branches: 16-row blocks (many experts; few, down's k-blocks split), 32-row blocks
+@pytest.mark.parametrize("tokens,layer_experts", [(1, 128), (16, 8), (17, 128), (64, 8)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_amd_configurations_match_reference(cuda, moe_problem, rel_error, hidden, inter, group, tokens,
+                                                   layer_experts, dtype):
+    """What an AMD GPU launches (for_gfx11, whose code objects tests/kernels/test_triton_isa.py checks), here with
+    Triton's own dequantization as there: the same kernels and arithmetic, CUDA's code generation."""
+    p = moe_problem(experts=4, hidden=hidden, inter=inter, group=group, tokens_per_expert=tokens).to(cuda)
+    x = p.hidden.to(dtype)
+    cfg = replace(TritonConfig.for_load(tokens * layer_experts, layer_experts, amd=True), ptx_dequant=False)
+    out = TritonExperts(p.weights, "silu", cuda, cfg)(x, p.pair_rows, p.pair_experts, p.pair_weights)
+    assert rel_error(out, _reference(p, x)) < TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("hidden,inter,group", SHAPES + [(2304, 256, 128)])  # last: K split over 2 blocks
 @pytest.mark.parametrize("tokens", [1, 3, 5, 8, 17])  # staged 1, 2, 4, 8 rows at a time
 def test_hip_fdot2_cuda_build_matches_reference(cuda, moe_problem, rel_error, hidden, inter, group, tokens):
@@ -139,6 +154,12 @@ def test_hip_fdot2_gelu(cuda, moe_problem, rel_error):
     p = moe_problem(experts=2, hidden=256, inter=128, group=32, tokens_per_expert=4).to(cuda)
     out = HipFdot2Backend().prepare(p.weights, "gelu", cuda)(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights)
     assert rel_error(out, _reference(p, p.hidden.to(torch.float16), "gelu")) < 1e-2
+
+
+def test_compile_probe_passes_on_this_gpu(cuda):
+    """The probe TritonBackend runs on ROCm GPUs (compile a one-store kernel for the current target), through a
+    real driver: this GPU's target compiles."""
+    assert compile_refusal(cuda) is None
 
 
 def test_oracle_on_gpu(cuda, moe_problem):
