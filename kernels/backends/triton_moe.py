@@ -118,6 +118,12 @@ class TritonConfig:
     three; 191 registers, so at most two programs per SM, not three), and capped at 160 registers 142.9 / 144.7 (the
     layer 235.2 / 248.4 -> 239.4 / 242.5; 152 or 168 registers no better), at M = 48 132.6 / 140.1 -> 131.5 / 134.8:
     within this GPU's spread between launches.
+    Nor gate_up on k-blocks of 256 (half the loop's steps and CTA barriers; down kept on 128, which spills at 256:
+    255 registers and 184-328 bytes of stack, sm_90a, Triton 3.9): on 2 stages 218 registers and 85 KB of shared
+    memory, so two programs per SM, not three (H100, Triton 3.6, 2026-12-06, Qwen3, graph us of gate_up alone, best
+    of three interleaved rounds, bitwise the same output): 133.4 -> 196.0 at M = 64 (3 stages, one program per SM,
+    300.2; one tile per program 176.2), 198.7 / 394.2 / 1560.4 -> 273.7 / 503.8 / 1931.1 at M = 128 / 256 / 1024 (2
+    tiles; 1 tile about twice that).
     dependent_launch: programmatic dependent launch (kernels/triton_w4a16.py) where the GPU has it: H200, graph
     us of the whole layer without / with it (2026-12-02, one run), Qwen3 at M = 1 / 2 / 4 / 8 / 16 109.1 /
     111.1 / 114.2 / 122.4 / 133.5 -> 106.1 / 108.8 / 111.7 / 120.2 / 133.1, Mixtral at M = 1 / 4 / 8 / 16
