@@ -28,11 +28,11 @@ from kernels.quant import W4A16ExpertWeights, quantize_symmetric
 TARGETS = ("gfx1100",)
 GEMMS = ("gate_up_kernel", "down_kernel")
 _NOTES = {  # the code object's metadata, as the amdgcn text carries it
-    "vgprs": re.compile(r"^\s*\.vgpr_count:\s+(\d+)", re.M),
-    "vgpr_spills": re.compile(r"^\s*\.vgpr_spill_count:\s+(\d+)", re.M),
-    "scratch_bytes": re.compile(r"^\s*\.private_segment_fixed_size:\s+(\d+)", re.M),
+    "vgprs": re.compile(r"^\s*\.vgpr_count:\s+(\d+)", re.MULTILINE),
+    "vgpr_spills": re.compile(r"^\s*\.vgpr_spill_count:\s+(\d+)", re.MULTILINE),
+    "scratch_bytes": re.compile(r"^\s*\.private_segment_fixed_size:\s+(\d+)", re.MULTILINE),
     "wavefront_size": WAVEFRONT_SIZE,
-    "occupancy": re.compile(r"^; Occupancy:\s+(\d+)", re.M),
+    "occupancy": re.compile(r"^; Occupancy:\s+(\d+)", re.MULTILINE),
 }
 
 
@@ -196,7 +196,7 @@ def check(arch: str) -> list[tuple[KernelIsa, str]]:
 def _check_backend(arch: str, out: Path | None) -> bool:
     try:
         results = check(arch)
-    except Exception as err:  # a kernel Triton cannot compile for arch: its error, whatever the stage
+    except Exception as err:  # noqa: BLE001 -- a kernel Triton cannot compile for arch: its error, whatever the stage
         print(f"{arch}: FAIL {type(err).__name__}: {err}")
         return True
     for n, (r, isa) in enumerate(results):

@@ -743,7 +743,7 @@ def compile_refusal(device: torch.device) -> str | None:
 
     try:
         triton_w4a16.target_probe_kernel.warmup(torch.empty(1, dtype=torch.int32, device=device), grid=(1,))
-    except Exception as err:  # what each backend raises is its own (PassManager, LLVM, ...)
+    except Exception as err:  # noqa: BLE001 -- what each backend raises is its own (PassManager, LLVM, ...)
         arch = triton.runtime.driver.active.get_current_target().arch
         return f"Triton {triton.__version__} does not compile for {arch} ({type(err).__name__}: {err})"
     return None
