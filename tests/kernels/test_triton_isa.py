@@ -45,10 +45,26 @@ def test_inspect_flags_wave64_and_a_gemm_without_wmma():
     assert triton_isa.inspect("combine_kernel", "", text.replace("64", "32")).problems == ()
 
 
-def test_triton_refuses_a_target_it_cannot_compile_for():
-    """RDNA2 (the V620s' gfx1030): the tests' Triton (3.9) has no target for it (3.6 had), so there the backend
-    refuses the GPU by name rather than fail at a layer's first call."""
-    with triton_isa.compiling_for("gfx1030"):
-        assert "does not compile for gfx1030" in compile_refusal(torch.device("cpu"))
-    with triton_isa.compiling_for("gfx1100"):
-        assert compile_refusal(torch.device("cpu")) is None
+def _layer_compiles(arch: str) -> bool:
+    """Whether the launches of one small decode call (the routing, gate_up, down, the combine) compile for arch."""
+    experts = TritonExperts(triton_isa.layer(8), "silu", torch.device("cpu"), amd=True)
+    experts.kernels = triton_isa.Warmups()
+    with triton_isa.compiling_for(arch):
+        try:
+            triton_isa.call(experts, 2, 1, rows_ascending=True)
+        except RuntimeError:  # the compiler's pass manager, as for the probe
+            return False
+    return True
+
+
+def test_compile_probe_answers_as_the_backend_kernels_do():
+    """The probe TritonBackend runs on ROCm GPUs says what the backend's own kernels would meet: on RDNA2 (the V620s'
+    gfx1030) the tests' Triton (3.9) compiles neither, so the backend refuses the GPU by name rather than fail at a
+    layer's first call; Triton 3.6 (the GPU machine's) compiles both. gfx1100 compiles either way."""
+    refusals = {}
+    for arch in ("gfx1030", "gfx1100"):
+        with triton_isa.compiling_for(arch):
+            refusals[arch] = compile_refusal(torch.device("cpu"))
+        assert (refusals[arch] is None) == _layer_compiles(arch), (arch, refusals[arch])
+        assert refusals[arch] is None or f"does not compile for {arch}" in refusals[arch]
+    assert refusals["gfx1100"] is None
