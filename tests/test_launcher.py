@@ -9,12 +9,13 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import openai
 import psutil
 import pytest
 
-from cluster.launcher import ClusterSpec, free_port_run, wait_http_ready
+from cluster.launcher import ClusterSpec, free_port_run
 from protos.checkpoint import read_checkpoint
 from tests.support import (
     HOST, VLLM_CPU_ARGS, ClusterCounters, assert_workers_did_the_work, free_ports, free_worker_ports, openai_client, port_flags,
@@ -41,6 +42,17 @@ def complete(base_url: str) -> str:
     with openai_client(base_url, timeout=300) as client:
         model = client.models.list().data[0].id
         return client.completions.create(model=model, prompt="The weather today is", max_tokens=8, temperature=0).choices[0].text
+
+
+def wait_serving(log: Path, launcher: subprocess.Popen, timeout_s: float = 900) -> None:
+    """Until `up`, run in the foreground with its output in `log`, says it serves: its own probe of the attention
+    server passed and it now restarts dead workers. The attention server answers a little before that (up to a
+    probe's timeout and interval), and a worker lost in between fails the start, as it should."""
+    deadline = time.monotonic() + timeout_s
+    while b"Ctrl-C to stop." not in log.read_bytes():
+        assert launcher.poll() is None, f"`up` exited ({launcher.returncode}): {log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"`up` not serving after {timeout_s:.0f} s"
+        time.sleep(0.5)
 
 
 def family_of(pids) -> list[psutil.Process]:
@@ -77,12 +89,12 @@ def test_down_stops_a_cluster_that_up_runs_in_the_foreground(model_dir, tmp_path
     server, then the workers, which that `up` stops as well, racing it. Both exit 0, `up` saying that `down` stopped
     it, and nothing is left running or recorded."""
     model, run_dir = model_dir("qwen3_moe"), tmp_path / "run"
-    cmd, base_url, _ = cluster_up(model, run_dir, "--", *VLLM_CPU_ARGS, "--enforce-eager")
+    cmd, _, _ = cluster_up(model, run_dir, "--", *VLLM_CPU_ARGS, "--enforce-eager")
     log = tmp_path / "up.log"
     with log.open("wb") as out:
         launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_http_ready(base_url, [launcher], timeout_s=900)
+        wait_serving(log, launcher)
         family = family_of([launcher.pid])
         down = subprocess.run(python_module("cluster", "down", "--run-dir", str(run_dir)), capture_output=True,
                               text=True, timeout=120)  # fmt: skip
@@ -142,7 +154,7 @@ def test_w4a16_on_load_serves_restarts_dead_workers_and_stops_naming_one_that_ca
         launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     port_taken = socket.socket()
     try:
-        wait_http_ready(base_url, [launcher], timeout_s=900)
+        wait_serving(log, launcher)
         ckpt = read_checkpoint(model)
         before = ClusterCounters.read(metrics[0], metrics[1:])
         expected = complete(base_url)
