@@ -13,6 +13,14 @@ LAUNCHED = {name for name, v in vars(triton_w4a16).items()
             if isinstance(v, JITFunction) and name.endswith("_kernel") and name != "target_probe_kernel"}  # fmt: skip
 
 
+def _compile_call(experts, arch: str, top_k: int, pairs_per_expert: int) -> dict:
+    """(kernel name, launch) -> compiled kernel, for `arch`, of one call of `experts` (rows ascending)."""
+    experts.kernels = warmups = triton_isa.Warmups()
+    with triton_isa.compiling_for(arch):
+        triton_isa.call(experts, top_k, pairs_per_expert, rows_ascending=True)
+    return warmups.compiled
+
+
 def test_every_kernel_compiles_for_gfx1100_wave32_without_scratch():
     reports = [r for r, _ in triton_isa.check("gfx1100")]
     assert {r.kernel for r in reports} == LAUNCHED, "a kernel the backend launches was not compiled"
@@ -27,12 +35,8 @@ def test_nvidia_configuration_spills_on_gfx1100():
     experts = TritonExperts(triton_isa.layer(128), "silu", torch.device("cpu"), amd=True)
     reports = {}
     for amd in (False, True):
-        warmups = triton_isa.Warmups()
-        configured = experts.configured(TritonConfig.for_load(64 * 128, 128, amd))
-        configured.kernels = warmups
-        with triton_isa.compiling_for("gfx1100"):
-            triton_isa.call(configured, 8, 64, rows_ascending=True)
-        (launch, kernel), = [(launch, k) for (name, launch), k in warmups.compiled.items() if name == "gate_up_kernel"]
+        compiled = _compile_call(experts.configured(TritonConfig.for_load(64 * 128, 128, amd)), "gfx1100", 8, 64)
+        (launch, kernel), = [(launch, k) for (name, launch), k in compiled.items() if name == "gate_up_kernel"]
         reports[amd] = triton_isa.inspect("gate_up_kernel", launch, kernel.asm["amdgcn"])
     assert reports[False].scratch_bytes > 0 and "scratch" in " ".join(reports[False].problems)
     assert reports[True].problems == ()
@@ -47,13 +51,10 @@ def test_inspect_flags_wave64_and_a_gemm_without_wmma():
 
 def _layer_compiles(arch: str) -> bool:
     """Whether the launches of one small decode call (the routing, gate_up, down, the combine) compile for arch."""
-    experts = TritonExperts(triton_isa.layer(8), "silu", torch.device("cpu"), amd=True)
-    experts.kernels = triton_isa.Warmups()
-    with triton_isa.compiling_for(arch):
-        try:
-            triton_isa.call(experts, 2, 1, rows_ascending=True)
-        except RuntimeError:  # the compiler's pass manager, as for the probe
-            return False
+    try:
+        _compile_call(TritonExperts(triton_isa.layer(8), "silu", torch.device("cpu"), amd=True), arch, 2, 1)
+    except RuntimeError:  # the compiler's pass manager, as for the probe
+        return False
     return True
 
 
