@@ -18,13 +18,15 @@ and router weight -- and by row for the combine, both stable: up to ROUTE_SCAN_M
 scanning all pairs (scan_route_kernel, O((E + T) * P) work, no atomics); above, a counting sort over
 many programs, O(P) work: route_count_kernel, a cumsum and route_scatter_kernel place the pairs
 by expert and by the row's low digit at once, then digit_count_kernel, a cumsum and
-digit_scatter_kernel once per further row digit. Positions depend only on the inputs; the only
-atomics count integers. Rows given in ascending order (ROWS_ASCENDING, BY_ROW off: pair order is
-then row order) are not sorted: only the experts are ranked or counted.
+digit_scatter_kernel once per further row digit. Rows given in ascending order (ROWS_ASCENDING: pair
+order is then row order) are not sorted: only the experts are ranked, or, above
+ROUTE_SCAN_MAX_PAIRS_ASCENDING pairs, counted by chunks of pairs in two launches (chunk_count_kernel,
+chunk_place_kernel: each chunk's pairs sorted by expert in registers). Positions depend only on the inputs; the
+only atomics count integers.
 The combine finds a row's pairs through rbounds [T+1] (row t: positions [rbounds[t], rbounds[t+1])
 of the (row, pair) order): from the ranking's row counts, from the first pass's counts when
 one pass sorts the rows, else a binary search (row_bounds_kernel). Ascending rows give their bounds
-themselves: in the ranking launch, or the first counting launch, each pair stores the starts of the rows
+themselves: in the ranking launch, or chunk_count_kernel, each pair stores the starts of the rows
 that begin at it (_row_starts_scattered).
 GEMMs: each expert's pairs split into BLOCK_M-row blocks; one program owns (row block, BLOCK_N
 output columns), so a dequantized weight tile serves BLOCK_M rows (8-32 for decode, 64-128 for
@@ -328,6 +330,79 @@ def scan_route_kernel(
                    weights_ptr, sweights_ptr, BLOCK_P, KEYS, False)
 
 
+# rows given in ascending order, too many pairs to rank: counting by expert in two launches, O(P) work. Program c of
+# each owns the pairs of chunk c, [c*CHUNK, +CHUNK); chunk_count_kernel counts its experts, chunk_place_kernel adds up
+# every chunk's counts it needs itself (no cumsum launch between them) and places its pairs, sorted in registers.
+
+
+@triton.jit
+def chunk_count_kernel(
+    experts_ptr, rows_ptr, P, T,  # [P] local expert, row (< T, ascending) of each pair
+    counts_ptr,  # out: [chunks, EXPERT_DIGITS] int32, chunk c's count of each expert
+    rbounds_ptr,  # out: [T+1] int32, the first position of each row (P past the last)
+    ready_ptr, E,  # out: [E] int32 zeroed (_zero_ready)
+    CHUNK: tl.constexpr, EXPERT_DIGITS: tl.constexpr, READY_BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
+):
+    """Chunk c's expert counts; its pairs also store the starts of the rows that begin at them (_row_starts_scattered),
+    the last chunk's the starts past the last pair's row."""
+    if USE_GDC:
+        gdc_launch_dependents()
+    c = tl.program_id(0)
+    _zero_ready(ready_ptr, E, READY_BLOCK)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < P
+    expert = tl.load(experts_ptr + offs, mask=valid, other=0).to(tl.int32)
+    tl.store(counts_ptr + c * EXPERT_DIGITS + tl.arange(0, EXPERT_DIGITS), tl.histogram(expert, EXPERT_DIGITS, mask=valid))
+    _row_starts_scattered(rows_ptr, P, T, c * CHUNK, rbounds_ptr, CHUNK)
+    if c == tl.num_programs(0) - 1:  # pair P (rows[P] = T), past the chunk when CHUNK divides P
+        _row_starts_scattered(rows_ptr, P, T, P, rbounds_ptr, 16)
+
+
+@triton.jit
+def chunk_place_kernel(
+    experts_ptr, rows_ptr, weights_ptr, P, E,  # [P] local expert, row, router weight of each pair
+    counts_ptr, num_chunks,  # [num_chunks, EXPERT_DIGITS] int32: chunk_count_kernel's
+    bounds_ptr, srows_ptr, sweights_ptr, spairs_ptr,  # out: [E+1] int32; [P] row, fp32 weight, pair by expert
+    CHUNK: tl.constexpr, EXPERT_DIGITS: tl.constexpr, COUNT_ROWS: tl.constexpr, USE_GDC: tl.constexpr,
+):
+    """Chunk c's pairs to their places by expert, stable: a pair of expert e goes to e's start (the pairs of lower
+    experts, over all chunks) + e's pairs in chunks before c + its rank among e's pairs in its chunk, which sorting
+    the chunk's (expert, pair) keys gives. Program 0 stores the bounds."""
+    if USE_GDC:
+        gdc_wait()  # chunk_count_kernel's counts
+        gdc_launch_dependents()
+    c = tl.program_id(0)
+    d = tl.arange(0, EXPERT_DIGITS)
+    total = tl.zeros([EXPERT_DIGITS], dtype=tl.int32)  # over all chunks
+    before = tl.zeros([EXPERT_DIGITS], dtype=tl.int32)  # over chunks before c
+    own = tl.zeros([EXPERT_DIGITS], dtype=tl.int32)  # chunk c's
+    for c0 in range(0, num_chunks, COUNT_ROWS):
+        chunks = c0 + tl.arange(0, COUNT_ROWS)
+        counts = tl.load(counts_ptr + chunks[:, None] * EXPERT_DIGITS + d[None, :], mask=(chunks < num_chunks)[:, None],
+                         other=0)  # [COUNT_ROWS, ED]
+        total += tl.sum(counts, 0)
+        before += tl.sum(tl.where((chunks < c)[:, None], counts, 0), 0)
+        own += tl.sum(tl.where((chunks == c)[:, None], counts, 0), 0)
+    start = tl.cumsum(total, 0) - total  # [ED] each expert's first position
+    if c == 0:
+        tl.store(bounds_ptr + d, start, mask=d < E)
+        tl.store(bounds_ptr + E, P)
+    # the chunk's pairs in (expert, pair) order: sorted position i of expert e goes to start[e] + before[e] + i - the
+    # chunk's pairs of experts below e
+    local = tl.arange(0, CHUNK)
+    offs = c * CHUNK + local
+    valid = offs < P
+    expert = tl.load(experts_ptr + offs, mask=valid, other=0).to(tl.int32)
+    key = tl.sort(tl.where(valid, expert, EXPERT_DIGITS) * CHUNK + local)  # padding lanes last
+    expert, pair = key // CHUNK, c * CHUNK + key % CHUNK
+    mine = expert < EXPERT_DIGITS
+    shift = start + before - (tl.cumsum(own, 0) - own)  # [ED]
+    dest = tl.gather(shift, tl.where(mine, expert, 0), 0) + local
+    tl.store(spairs_ptr + dest, pair, mask=mine)
+    tl.store(srows_ptr + dest, tl.load(rows_ptr + pair, mask=mine, other=0).to(tl.int32), mask=mine)
+    tl.store(sweights_ptr + dest, tl.load(weights_ptr + pair, mask=mine, other=0.0).to(tl.float32), mask=mine)
+
+
 # stable counting sort, digit by digit, over many programs: O(P) work in a fixed number of launches.
 # The first pass sorts by expert and by the row's low digit at once (both start from pair order);
 # rows with more bits take further passes by row alone.
@@ -373,26 +448,16 @@ def _destinations(keys_ptr, shift, P, starts_ptr, num_blocks,
 
 @triton.jit
 def route_count_kernel(
-    experts_ptr, rows_ptr, P, T,  # [P] local expert, row (< T) of each pair
+    experts_ptr, rows_ptr, P,  # [P] local expert, row of each pair
     counts_ptr, stride_c, num_blocks,  # out: [2, 1 + NUM_DIGITS * num_blocks] int32: by expert (the first
     # 1 + EXPERT_DIGITS * num_blocks), by row digit
-    rbounds_ptr,  # out, ROWS_ASCENDING: [T+1] int32, the first position of each row (P past the last)
     ready_ptr, E,  # out: [E] int32 zeroed (_zero_ready)
     BLOCK_P: tl.constexpr, EXPERT_DIGITS: tl.constexpr, NUM_DIGITS: tl.constexpr, READY_BLOCK: tl.constexpr,
-    BY_ROW: tl.constexpr, ROWS_ASCENDING: tl.constexpr,
 ):
-    """The first pass's counts: experts (< EXPERT_DIGITS) and, BY_ROW, the rows' low digit (row % NUM_DIGITS).
-    ROWS_ASCENDING (the rows never decrease; not BY_ROW): program b's pairs also store the starts of the rows that
-    begin at them (_row_starts_scattered), the last program's the starts past the last pair's row."""
+    """The first pass's counts: experts (< EXPERT_DIGITS) and the rows' low digit (row % NUM_DIGITS)."""
     _zero_ready(ready_ptr, E, READY_BLOCK)
     _store_counts(experts_ptr, 0, P, counts_ptr, num_blocks, BLOCK_P, EXPERT_DIGITS)
-    if BY_ROW:
-        _store_counts(rows_ptr, 0, P, counts_ptr + stride_c, num_blocks, BLOCK_P, NUM_DIGITS)
-    if ROWS_ASCENDING:
-        b = tl.program_id(0)
-        _row_starts_scattered(rows_ptr, P, T, b * BLOCK_P, rbounds_ptr, BLOCK_P)
-        if b == num_blocks - 1:  # pair P (rows[P] = T), past the block when BLOCK_P divides P
-            _row_starts_scattered(rows_ptr, P, T, P, rbounds_ptr, 16)
+    _store_counts(rows_ptr, 0, P, counts_ptr + stride_c, num_blocks, BLOCK_P, NUM_DIGITS)
 
 
 @triton.jit
@@ -402,9 +467,9 @@ def route_scatter_kernel(
     srows_ptr, sweights_ptr, spairs_ptr,  # out: [P] row, fp32 router weight, pair index by expert
     crows_ptr, cpairs_ptr,  # out: [P] row and pair index by the rows' low digit (then pair)
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, EXPERT_DIGITS: tl.constexpr, NUM_DIGITS: tl.constexpr,
-    BY_ROW: tl.constexpr, USE_GDC: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
-    """The first pass: every pair to its place by expert and, BY_ROW, by row digit, both stable."""
+    """The first pass: every pair to its place by expert and by row digit, both stable."""
     if USE_GDC:  # the last routing launch when this pass sorts whole rows
         gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -414,10 +479,9 @@ def route_scatter_kernel(
     tl.store(spairs_ptr + by_expert, offs, mask=valid)
     tl.store(srows_ptr + by_expert, row, mask=valid)
     tl.store(sweights_ptr + by_expert, tl.load(weights_ptr + offs, mask=valid, other=0.0).to(tl.float32), mask=valid)
-    if BY_ROW:
-        by_row = _destinations(rows_ptr, 0, P, starts_ptr + stride_s, num_blocks, BLOCK_P, BLOCK_C, NUM_DIGITS)
-        tl.store(cpairs_ptr + by_row, offs, mask=valid)
-        tl.store(crows_ptr + by_row, row, mask=valid)
+    by_row = _destinations(rows_ptr, 0, P, starts_ptr + stride_s, num_blocks, BLOCK_P, BLOCK_C, NUM_DIGITS)
+    tl.store(cpairs_ptr + by_row, offs, mask=valid)
+    tl.store(crows_ptr + by_row, row, mask=valid)
 
 
 @triton.jit

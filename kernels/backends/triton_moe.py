@@ -1,7 +1,8 @@
 """Triton backend: grouped W4A16 MoE on CUDA and ROCm (gfx11) GPUs, routing, then three launches per layer.
 
     routing:        pairs grouped by expert and by row -> Routes  (scan_route_kernel, one
-                    ranking launch, for few pairs and rows; else counting sorts: route_count_kernel, cumsum,
+                    ranking launch, for few pairs and rows; rows given in ascending order and more pairs:
+                    chunk_count_kernel, chunk_place_kernel; else counting sorts: route_count_kernel, cumsum,
                     route_scatter_kernel, and for rows of more than 8 bits digit_count_kernel,
                     cumsum, digit_scatter_kernel per further digit)
     gate_up_kernel: x[rows] @ w13[e]^T -> act(gate) * up          [P, I]  (fp16/bf16)
@@ -64,7 +65,16 @@ ROUTE_SCAN_MAX_WORK = 1 << 22
 # took a program per row, since ROW_BOUNDS_BLOCK rows each). The whole layer, Qwen3 at M = 32 / 64 / 128 / 256 /
 # 1024: 178.9 / 244.3 / 405.0 / 741.9 / 2829.1 -> 165.9 / 237.1 ranked, 392.8 / 726.0 / 2826.9 counted; M = 1-16
 # and Mixtral within 1 us or the run's spread.
-ROUTE_SCAN_MAX_PAIRS_ASCENDING = 8192
+# Then (H100, 2026-12-06, one run, graph us of the routing alone, best of three interleaved rounds) counting by chunks
+# of pairs in two launches (ROUTE_CHUNKS ...) against the ranking up to 8192 pairs and the three counting launches
+# above (count, torch's cumsum, scatter): Qwen3 at M = 1 / 8 / 16 / 32 3.34 / 4.35 / 5.06 / 6.87 ranked -> 6.45 /
+# 7.09 / 7.35 / 7.49 by chunks; at M = 64 / 128 / 256 / 1024 11.44 ranked / 16.77 / 17.51 / 35.13 counted -> 8.91 /
+# 11.47 / 16.69 / 24.82; Mixtral at M = 16 / 64 / 256 3.34 / 4.19 / 4.87 ranked -> 5.86 / 6.47 / 6.59, at 1024 / 4096
+# 11.51 ranked / 13.33 counted -> 6.60 / 6.84. So ranked up to 4096 pairs, by chunks above. The whole Qwen3 layer
+# the same run (the old routing first in each round): 230.2 / 374.3 / 721.0 -> 222.4 / 357.3 / 705.4 at M = 64 / 128 /
+# 256, but 2726.7 -> 2748.5 at 1024; Mixtral's layer moved by up to 6% between routings 2 us apart (1242 -> 1318 at M =
+# 256, where the chunks were forced), so bench_kernel's whole-layer figures decide (README).
+ROUTE_SCAN_MAX_PAIRS_ASCENDING = 4096
 ROUTE_SCAN_PROGRAMS = 1024  # ranking: the fewest keys per program that keep the programs this few (512: within 1 us)
 ROUTE_SCAN_ELEMENTS = 4096  # pairs x keys a ranking program compares per step (2048 / 8192: within 1 us)
 # With rows given in ascending order: the ranking programs' warps, and each pair storing the starts of the rows that
@@ -74,6 +84,16 @@ ROUTE_SCAN_ELEMENTS = 4096  # pairs x keys a ranking program compares per step (
 # / 4.24 / 5.53 / 8.14 / 13.85 -> 4.68 / 4.24 / 4.95 / 6.85 / 11.48; the whole layer 119.88 / 125.00 / 137.71 / 170.78 /
 # 235.95 -> 117.49 / 123.99 / 136.74 / 170.12 / 234.66 -> 117.72 / 123.57 / 135.91 / 168.74 / 229.68.
 ROUTE_SCAN_WARPS = 8
+# Counting by chunks (rows ascending, above ROUTE_SCAN_MAX_PAIRS_ASCENDING): at most ROUTE_CHUNKS chunks of at least
+# ROUTE_CHUNK_MIN pairs (a power of two), a program per chunk in both launches, on ROUTE_CHUNK_WARPS warps; a placing
+# program adds up ROUTE_COUNT_ELEMENTS counts per step. The same run as above, against 128 / 256 / 4 warps: 256 chunks
+# 42.6 against 24.8 at Qwen3 M = 1024, otherwise within 0.1 us; chunks of at least 128 pairs 10.94 / 16.39 against
+# 8.91 / 11.47 at Qwen3 M = 64 / 128, 5.91 against 6.60 at Mixtral M = 1024, otherwise within 0.15 us; 8 warps 14.2 /
+# 21.9 / 37.8 / 42.0 at Qwen3 M = 64 / 128 / 256 / 1024, Mixtral within 0.1 us.
+ROUTE_CHUNKS = 128
+ROUTE_CHUNK_MIN = 256
+ROUTE_CHUNK_WARPS = 4
+ROUTE_COUNT_ELEMENTS = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -533,7 +553,7 @@ class TritonExperts(PreparedExperts):
         binary search for the row bounds.
         rows_ascending (the caller's promise that pair_rows never decrease): the rows are not sorted, each pair
         stores the starts of the rows that begin at it (in the first launch); the experts are ranked up to
-        ROUTE_SCAN_MAX_PAIRS_ASCENDING pairs, else counted.
+        ROUTE_SCAN_MAX_PAIRS_ASCENDING pairs, else counted by chunks of pairs in two launches (_route_chunks).
         """
         e, p, dev = self.num_experts, pair_rows.numel(), pair_rows.device
         pairs, rows = (torch.empty(p, dtype=torch.int32, device=dev) for _ in range(2))
@@ -564,21 +584,19 @@ class TritonExperts(PreparedExperts):
                 num_warps=ROUTE_SCAN_WARPS if rows_ascending else 4,
             )
             return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds, ready)
-        row_bits = max(1, (num_rows - 1).bit_length())
         expert_digits = max(2, _next_pow2(e))
-        by_row = not rows_ascending
+        if rows_ascending:
+            bounds, row_bounds = self._route_chunks(pair_rows, pair_experts, pair_weights, num_rows, expert_digits,
+                                                    rows, router, pairs, ready)
+            return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds, ready)
+        row_bits = max(1, (num_rows - 1).bit_length())
         row_digits = max(2, 1 << (row_bits if row_bits <= WHOLE_ROW_BITS else RADIX_BITS))
-        digits = max(expert_digits, row_digits if by_row else 0)  # of the widest order counted
+        digits = max(expert_digits, row_digits)  # of the wider order
         block_p, blocks = self._blocks(p, digits)
-        counts = torch.empty(1 + by_row, 1 + digits * blocks, dtype=torch.int32, device=dev)
-        # Ascending rows' bounds stored by the counting launch instead of searched in one more (H100, 2026-12-05, graph
-        # us, best of three interleaved runs, Qwen3 at M = 128 / 256 / 1024: the routing 26.8 / 29.3 / 47.5 -> 15.8 /
-        # 17.6 / 35.5, the layer 404.4 / 762.7 / 2897.9 -> 395.3 / 754.2 / 2859.5, outputs bitwise the same).
-        row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=dev) if rows_ascending else None
+        counts = torch.empty(2, 1 + digits * blocks, dtype=torch.int32, device=dev)
         self.kernels.route_count_kernel[(blocks,)](
-            pair_experts, pair_rows, p, num_rows, counts, counts.stride(0), blocks, row_bounds, ready, e,
+            pair_experts, pair_rows, p, counts, counts.stride(0), blocks, ready, e,
             BLOCK_P=block_p, EXPERT_DIGITS=expert_digits, NUM_DIGITS=row_digits, READY_BLOCK=READY_BLOCK,
-            BY_ROW=by_row, ROWS_ASCENDING=rows_ascending,
         )
         # Integer cumsums (the same sums in any order), a 1-D scan per order over its own digits' counts: torch's scan
         # along the rows of the [2, N] tensor took 330 us against 11 for two 1-D scans at N = 262145 (Qwen3, M = 1024;
@@ -587,17 +605,15 @@ class TritonExperts(PreparedExperts):
         # 78.1 -> 19.9 / 35.6 / 39.2 / 73.6, the layer at M = 64 272.2 -> 267.0; Mixtral at M = 256 / 1024 10.4 /
         # 34.7 -> 10.5 / 32.6).
         starts = torch.empty_like(counts)
-        for order, used in enumerate((1 + expert_digits * blocks, 1 + row_digits * blocks)[: counts.shape[0]]):
+        for order, used in enumerate((1 + expert_digits * blocks, 1 + row_digits * blocks)):
             torch.cumsum(counts[order, :used], 0, dtype=torch.int32, out=starts[order, :used])
         self.kernels.route_scatter_kernel[(blocks,)](
             pair_experts, pair_rows, pair_weights, p, starts, starts.stride(0), blocks,
-            rows, router, pairs, crows, pairs if cpairs is None else cpairs, BLOCK_P=block_p,
-            BLOCK_C=ROUTE_COMPARE_BLOCK, EXPERT_DIGITS=expert_digits, NUM_DIGITS=row_digits, BY_ROW=by_row,
+            rows, router, pairs, crows, cpairs, BLOCK_P=block_p,
+            BLOCK_C=ROUTE_COMPARE_BLOCK, EXPERT_DIGITS=expert_digits, NUM_DIGITS=row_digits,
             USE_GDC=has_dependent_launch(dev),
         )
         bounds = starts[0, ::blocks][: e + 1]  # [E+1] int32, strided: expert d's run starts at block 0's start
-        if rows_ascending:  # route_count_kernel stored the row bounds
-            return Routes(bounds, rows, router, pairs, crows, cpairs, row_bounds, ready)
         done = row_digits.bit_length() - 1  # row bits the first pass sorted by
         passes = _cdiv(max(0, row_bits - done), RADIX_BITS)
         width = _cdiv(row_bits - done, passes) if passes else 0
@@ -606,6 +622,27 @@ class TritonExperts(PreparedExperts):
         for i in range(passes):
             crows, cpairs = self._row_pass(crows, cpairs, done + i * width, 1 << width)
         return Routes(bounds, rows, router, pairs, crows, cpairs, self._row_bounds(crows, num_rows), ready)
+
+    def _route_chunks(self, pair_rows, pair_experts, pair_weights, num_rows, expert_digits, rows, router, pairs, ready):
+        """Ascending rows counted by expert in two launches over chunks of pairs (chunk_count_kernel,
+        chunk_place_kernel), which also store the row bounds and zero `ready`: -> (bounds [E+1], row_bounds [T+1])."""
+        e, p, dev = self.num_experts, pair_rows.numel(), pair_rows.device
+        chunk = max(ROUTE_CHUNK_MIN, _next_pow2(_cdiv(p, ROUTE_CHUNKS)))
+        chunks = _cdiv(p, chunk)
+        counts = torch.empty(chunks, expert_digits, dtype=torch.int32, device=dev)
+        bounds = torch.empty(e + 1, dtype=torch.int32, device=dev)
+        row_bounds = torch.empty(num_rows + 1, dtype=torch.int32, device=dev)
+        gdc = has_dependent_launch(dev)
+        self.kernels.chunk_count_kernel[(chunks,)](
+            pair_experts, pair_rows, p, num_rows, counts, row_bounds, ready, e,
+            CHUNK=chunk, EXPERT_DIGITS=expert_digits, READY_BLOCK=READY_BLOCK, USE_GDC=gdc, num_warps=ROUTE_CHUNK_WARPS,
+        )
+        self.kernels.chunk_place_kernel[(chunks,)](
+            pair_experts, pair_rows, pair_weights, p, e, counts, chunks, bounds, rows, router, pairs,
+            CHUNK=chunk, EXPERT_DIGITS=expert_digits, COUNT_ROWS=max(1, ROUTE_COUNT_ELEMENTS // expert_digits),
+            USE_GDC=gdc, num_warps=ROUTE_CHUNK_WARPS, **({"launch_pdl": True} if gdc else {}),
+        )
+        return bounds, row_bounds
 
     def _row_bounds(self, crows: torch.Tensor, num_rows: int) -> torch.Tensor:
         """[num_rows + 1] int32: each row's first position in crows [P] (ascending), by a binary search per row."""

@@ -16,7 +16,8 @@ from kernels.reference import moe_experts_w4a16_reference
 def check_route(experts: int, pairs: int, num_rows: int, gen: torch.Generator, rows_ascending: bool) -> None:
     """Both routings give exactly torch's stable sorts: one ranking launch and, above
     ROUTE_SCAN_MAX_WORK, counting (several blocks; by row one pass, or two past 8 row bits). Rows given in
-    ascending order are only searched: by row, position j is pair j."""
+    ascending order are not sorted (by row, position j is pair j); above ROUTE_SCAN_MAX_PAIRS_ASCENDING their
+    experts are counted by chunks."""
     pair_experts = torch.randint(0, experts, (pairs,), generator=gen)
     pair_rows = torch.randint(0, num_rows, (pairs,), generator=gen)
     if rows_ascending:
@@ -62,17 +63,20 @@ def main() -> None:
     # (experts, pairs, rows): one ranking launch (a key per program; 8 keys; 2 keys over two steps of pairs),
     # then the counting passes, forced (the first sorts whole rows of 8 and of WHOLE_ROW_BITS = 10 bits; then
     # 8-bit digits: one more pass by row; two more; then pairs filling whole counting blocks of 256, rows past the last
-    # pair's)
+    # pair's; 6 experts: digits past the last expert). Ascending rows by chunks, at most 8 of them: 6 of 256 pairs, the
+    # last partial (both cases of 1500 pairs); 5 of 2048; 6 of 512; 8 of 256, the last full; 4 of 256.
     ranked = [(6, 37, 50), (4, 50, 5000), (3, 600, 1 << 9), (128, 3000, 1000)]
-    counted = [(128, 1500, 200), (128, 1500, 1000), (128, 9000, 1 << 12), (128, 3000, 1 << 17), (128, 2048, 3000)]
+    counted = [(128, 1500, 200), (128, 1500, 1000), (128, 9000, 1 << 12), (128, 3000, 1 << 17), (128, 2048, 3000),
+               (6, 1000, 40)]
     for rows_ascending in (False, True):
         for experts, pairs, num_rows in ranked:
             check_route(experts, pairs, num_rows, gen, rows_ascending)
-        limits = triton_moe.ROUTE_SCAN_MAX_WORK, triton_moe.ROUTE_SCAN_MAX_PAIRS_ASCENDING
+        limits = triton_moe.ROUTE_SCAN_MAX_WORK, triton_moe.ROUTE_SCAN_MAX_PAIRS_ASCENDING, triton_moe.ROUTE_CHUNKS
         triton_moe.ROUTE_SCAN_MAX_WORK = triton_moe.ROUTE_SCAN_MAX_PAIRS_ASCENDING = 0
+        triton_moe.ROUTE_CHUNKS = 8
         for experts, pairs, num_rows in counted:
             check_route(experts, pairs, num_rows, gen, rows_ascending)
-        triton_moe.ROUTE_SCAN_MAX_WORK, triton_moe.ROUTE_SCAN_MAX_PAIRS_ASCENDING = limits
+        triton_moe.ROUTE_SCAN_MAX_WORK, triton_moe.ROUTE_SCAN_MAX_PAIRS_ASCENDING, triton_moe.ROUTE_CHUNKS = limits
     # (experts, hidden, inter, group, tokens per expert, rows, config); rows None = 2 * tokens + 1. First: partial
     # N tiles; second: 2 M tiles, gelu, and again with every buffer NaN (its rows without pairs must be zeros); third:
     # all 20 pairs on one row, so the combine adds more than one window (COMBINE_BLOCK_R = 8) of a row's pairs; fourth:
