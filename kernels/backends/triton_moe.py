@@ -84,14 +84,16 @@ ROUTE_SCAN_ELEMENTS = 4096  # pairs x keys a ranking program compares per step (
 # / 4.24 / 5.53 / 8.14 / 13.85 -> 4.68 / 4.24 / 4.95 / 6.85 / 11.48; the whole layer 119.88 / 125.00 / 137.71 / 170.78 /
 # 235.95 -> 117.49 / 123.99 / 136.74 / 170.12 / 234.66 -> 117.72 / 123.57 / 135.91 / 168.74 / 229.68.
 ROUTE_SCAN_WARPS = 8
-# Counting by chunks (rows ascending, above ROUTE_SCAN_MAX_PAIRS_ASCENDING): at most ROUTE_CHUNKS chunks of at least
-# ROUTE_CHUNK_MIN pairs (a power of two), a program per chunk in both launches, on ROUTE_CHUNK_WARPS warps; a placing
+# Counting by chunks (rows ascending, above ROUTE_SCAN_MAX_PAIRS_ASCENDING): ROUTE_CHUNKS chunks or fewer, of a power of
+# two from ROUTE_CHUNK_MIN to ROUTE_CHUNK_MAX pairs (past ROUTE_CHUNKS * ROUTE_CHUNK_MAX pairs more chunks, so that a
+# program's sort stays this size), a program per chunk in both launches, on ROUTE_CHUNK_WARPS warps; a placing
 # program adds up ROUTE_COUNT_ELEMENTS counts per step. The same run as above, against 128 / 256 / 4 warps: 256 chunks
 # 42.6 against 24.8 at Qwen3 M = 1024, otherwise within 0.1 us; chunks of at least 128 pairs 10.94 / 16.39 against
 # 8.91 / 11.47 at Qwen3 M = 64 / 128, 5.91 against 6.60 at Mixtral M = 1024, otherwise within 0.15 us; 8 warps 14.2 /
 # 21.9 / 37.8 / 42.0 at Qwen3 M = 64 / 128 / 256 / 1024, Mixtral within 0.1 us.
 ROUTE_CHUNKS = 128
 ROUTE_CHUNK_MIN = 256
+ROUTE_CHUNK_MAX = 4096
 ROUTE_CHUNK_WARPS = 4
 ROUTE_COUNT_ELEMENTS = 2048
 
@@ -627,7 +629,7 @@ class TritonExperts(PreparedExperts):
         """Ascending rows counted by expert in two launches over chunks of pairs (chunk_count_kernel,
         chunk_place_kernel), which also store the row bounds and zero `ready`: -> (bounds [E+1], row_bounds [T+1])."""
         e, p, dev = self.num_experts, pair_rows.numel(), pair_rows.device
-        chunk = max(ROUTE_CHUNK_MIN, _next_pow2(_cdiv(p, ROUTE_CHUNKS)))
+        chunk = min(ROUTE_CHUNK_MAX, max(ROUTE_CHUNK_MIN, _next_pow2(_cdiv(p, ROUTE_CHUNKS))))
         chunks = _cdiv(p, chunk)
         counts = torch.empty(chunks, expert_digits, dtype=torch.int32, device=dev)
         bounds = torch.empty(e + 1, dtype=torch.int32, device=dev)

@@ -63,20 +63,19 @@ def main() -> None:
     # (experts, pairs, rows): one ranking launch (a key per program; 8 keys; 2 keys over two steps of pairs),
     # then the counting passes, forced (the first sorts whole rows of 8 and of WHOLE_ROW_BITS = 10 bits; then
     # 8-bit digits: one more pass by row; two more; then pairs filling whole counting blocks of 256, rows past the last
-    # pair's; 6 experts: digits past the last expert). Ascending rows by chunks, at most 8 of them: 6 of 256 pairs, the
-    # last partial (both cases of 1500 pairs); 5 of 2048; 6 of 512; 8 of 256, the last full; 4 of 256.
+    # pair's; 6 experts: digits past the last expert). Ascending rows by chunks, 8 or fewer of up to 512 pairs: 6 of 256
+    # pairs, the last partial (both cases of 1500 pairs); 18 of 512 (more chunks, at the cap); 6 of 512; 8 of 256, the
+    # last full; 4 of 256.
     ranked = [(6, 37, 50), (4, 50, 5000), (3, 600, 1 << 9), (128, 3000, 1000)]
     counted = [(128, 1500, 200), (128, 1500, 1000), (128, 9000, 1 << 12), (128, 3000, 1 << 17), (128, 2048, 3000),
                (6, 1000, 40)]
     for rows_ascending in (False, True):
         for experts, pairs, num_rows in ranked:
             check_route(experts, pairs, num_rows, gen, rows_ascending)
-        limits = triton_moe.ROUTE_SCAN_MAX_WORK, triton_moe.ROUTE_SCAN_MAX_PAIRS_ASCENDING, triton_moe.ROUTE_CHUNKS
-        triton_moe.ROUTE_SCAN_MAX_WORK = triton_moe.ROUTE_SCAN_MAX_PAIRS_ASCENDING = 0
-        triton_moe.ROUTE_CHUNKS = 8
-        for experts, pairs, num_rows in counted:
-            check_route(experts, pairs, num_rows, gen, rows_ascending)
-        triton_moe.ROUTE_SCAN_MAX_WORK, triton_moe.ROUTE_SCAN_MAX_PAIRS_ASCENDING, triton_moe.ROUTE_CHUNKS = limits
+        names = "ROUTE_SCAN_MAX_WORK", "ROUTE_SCAN_MAX_PAIRS_ASCENDING", "ROUTE_CHUNKS", "ROUTE_CHUNK_MAX"
+        with mock.patch.multiple(triton_moe, **dict(zip(names, (0, 0, 8, 512), strict=True))):
+            for experts, pairs, num_rows in counted:
+                check_route(experts, pairs, num_rows, gen, rows_ascending)
     # (experts, hidden, inter, group, tokens per expert, rows, config); rows None = 2 * tokens + 1. First: partial
     # N tiles; second: 2 M tiles, gelu, and again with every buffer NaN (its rows without pairs must be zeros); third:
     # all 20 pairs on one row, so the combine adds more than one window (COMBINE_BLOCK_R = 8) of a row's pairs; fourth:
