@@ -73,7 +73,8 @@ ROUTE_SCAN_MAX_WORK = 1 << 22
 # 11.51 ranked / 13.33 counted -> 6.60 / 6.84. So ranked up to 4096 pairs, by chunks above. The whole Qwen3 layer
 # the same run (the old routing first in each round): 230.2 / 374.3 / 721.0 -> 222.4 / 357.3 / 705.4 at M = 64 / 128 /
 # 256, but 2726.7 -> 2748.5 at 1024; Mixtral's layer moved by up to 6% between routings 2 us apart (1242 -> 1318 at M =
-# 256, where the chunks were forced), so bench_kernel's whole-layer figures decide (README).
+# 256, where the chunks were forced). Two bench_kernel runs before and after, alternating on one H100, put the layer
+# within their spread at every M (README).
 ROUTE_SCAN_MAX_PAIRS_ASCENDING = 4096
 ROUTE_SCAN_PROGRAMS = 1024  # ranking: the fewest keys per program that keep the programs this few (512: within 1 us)
 ROUTE_SCAN_ELEMENTS = 4096  # pairs x keys a ranking program compares per step (2048 / 8192: within 1 us)
