@@ -359,7 +359,11 @@ class TritonConfig:
         bitwise the same) many small experts above M = 64 take down's 256 columns on 8 warps again, as few large
         ones do: Qwen3 at M = 128 / 256 / 1024 384.5 / 723.2 / 2856.0 -> 376.7 / 711.2 / 2775.0 (256 columns on 4
         warps: 1256 / 2441 / 9293). The paragraph below chose 128 columns on 4 warps for them, on the kernels of
-        that day (fp32 pair rows, rows sorted on the GPU).
+        that day (fp32 pair rows, rows sorted on the GPU). At M = 48-64 they keep 128 columns on 4 warps (H100,
+        2026-12-06, graph us, best of five interleaved rounds, layer / gate_up / down, outputs bitwise the same):
+        at M = 64 225.2 / 135.1 / 80.5 against 256 columns on 8 warps 239.1 / 134.1 / 91.1 (2 / 4 stages 264.5 /
+        241.0, group_m 1 241.8, with 128-column gate_up blocks on 8 warps 244.6), 128 columns on 4 stages 244.6;
+        at M = 48 217.9 / 133.8 / 78.7 against 232.6-251.9.
         Down's column blocks from M = 48 (2026-12-03 afternoon, H200, three interleaved rounds, graph us of down
         alone and of the whole layer): many small experts above M = 64 take 128 columns on 4 warps (down 162 /
         306 / 1148-1211 -> 150 / 281 / 1056-1086 at M = 128 / 256 / 1024, layer 439-441 / 810-812 / 2988-3040 ->
