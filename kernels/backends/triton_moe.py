@@ -66,7 +66,7 @@ ROUTE_SCAN_MAX_WORK = 1 << 22
 # 1024: 178.9 / 244.3 / 405.0 / 741.9 / 2829.1 -> 165.9 / 237.1 ranked, 392.8 / 726.0 / 2826.9 counted; M = 1-16
 # and Mixtral within 1 us or the run's spread.
 # Then (H100, 2026-12-06, one run, graph us of the routing alone, best of three interleaved rounds) counting by chunks
-# of pairs in two launches (ROUTE_CHUNKS ...) against the ranking up to 8192 pairs and the three counting launches
+# of pairs in two launches (_route_chunks) against the ranking up to 8192 pairs and the three counting launches
 # above (count, torch's cumsum, scatter): Qwen3 at M = 1 / 8 / 16 / 32 3.34 / 4.35 / 5.06 / 6.87 ranked -> 6.45 /
 # 7.09 / 7.35 / 7.49 by chunks; at M = 64 / 128 / 256 / 1024 11.44 ranked / 16.77 / 17.51 / 35.13 counted -> 8.91 /
 # 11.47 / 16.69 / 24.82; Mixtral at M = 16 / 64 / 256 3.34 / 4.19 / 4.87 ranked -> 5.86 / 6.47 / 6.59, at 1024 / 4096
