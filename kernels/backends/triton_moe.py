@@ -132,15 +132,24 @@ class TritonConfig:
     125.7 against 112.0). Nor taken above M = 64: gate_up on 64-row blocks of 64 columns, 2 tiles, on 4 warps, down
     unchanged, 485.5 / 901.6 / 3435.9 against 438.5 / 796.1 / 2949.8 at M = 128 / 256 / 1024; down on 64-column
     tiles (4 warps, 180 registers, no spills on Triton 3.9) 480.4 / 872.9 / 3283.1.
-    Not kept either, letting the multi-tile loop's wgmmas overlap: ptxas (sm_90a, Triton 3.9 and 3.6) warns that
-    it serializes every wgmma of gate_up's loop when TILES > 1 (C7515: non-wgmma instructions define wgmma
-    accumulators within the loop, here the zeros written after each tile's store), and of no other GEMM that
-    for_load takes. Zeroing each tile's accumulators before its first MMA instead is a pattern Triton turns into
-    wgmma's own flag, and the warning goes, but it was no faster (H100, Triton 3.6, 2026-12-06, Qwen3, graph us,
-    best / median of seven interleaved rounds, bitwise the same): gate_up at M = 64 144.6 / 148.5 -> 150.3 (best of
-    three; 191 registers, so at most two programs per SM, not three), and capped at 160 registers 142.9 / 144.7 (the
-    layer 235.2 / 248.4 -> 239.4 / 242.5; 152 or 168 registers no better), at M = 48 132.6 / 140.1 -> 131.5 / 134.8:
-    within this GPU's spread between launches.
+    Not kept either, letting the multi-tile loop's wgmmas overlap: ptxas (sm_90a, Triton 3.9 and 3.6) warns that it
+    serializes every wgmma of gate_up's loop when TILES > 1 (C7515: non-wgmma instructions define wgmma accumulators
+    within the loop, here the zeros written after each tile's store). Zeroing each tile's accumulators before its first
+    MMA instead is a pattern Triton turns into wgmma's own flag, and the warning goes, but it was no faster (H100,
+    Triton 3.6, 2026-12-06, Qwen3, graph us, best / median of seven interleaved rounds, bitwise the same): gate_up at
+    M = 64 144.6 / 148.5 -> 150.3 (best of three; 191 registers, so at most two programs per SM, not three), and capped
+    at 160 registers 142.9 / 144.7 (the layer 235.2 / 248.4 -> 239.4 / 242.5; 152 or 168 registers no better), at M = 48
+    132.6 / 140.1 -> 131.5 / 134.8: within this GPU's spread between launches.
+    Nor the same for the other 4-warp GEMMs: with Triton 3.6 (the GPU machine's) ptxas also serializes gate_up at one
+    tile and down at Qwen3's M = 48-64 (C7515 again: the k-loop's exit for a loop that runs no k-block copies the zeroed
+    accumulators; the 8-warp GEMMs above M = 64 and Mixtral's keep seven wgmmas in flight). A k-loop of a constexpr
+    length (H and I as constexprs) has no such exit: then ptxas keeps seven in flight there too, but at 197 / 200
+    registers, two programs per SM. None was faster (H100, 2026-12-06, graph us, best of three interleaved rounds, layer
+    / gate_up / down, outputs bitwise the same): Qwen3 at M = 64 225.3 / 143.2 / 83.7 today, 228.1 / 139.8 / 90.6 with
+    down overlapped, 243.0 / 136.0 / 87.7 with gate_up on one tile too, 245.4 / 149.5 / 80.6 with both capped at 168
+    registers (three programs per SM), 232.9 / 145.3 / 80.3 with down capped (gate_up's two tiles as today); at M = 48
+    214.9 / 132.2 / 77.6 against 219.1 / 131.3 / 81.8, 223.9 / 128.1 / 81.6, 224.4 / 141.1 / 75.1 and 210.9 / 131.3 /
+    74.6; Mixtral at M = 64 410.0 against 414.2. So at M = 48-64 the wgmmas' latency is not what bounds these GEMMs.
     Nor gate_up on k-blocks of 256 (half the loop's steps and CTA barriers; down kept on 128, which spills at 256:
     255 registers and 184-328 bytes of stack, sm_90a, Triton 3.9): on 2 stages 218 registers and 85 KB of shared
     memory, so two programs per SM, not three (H100, Triton 3.6, 2026-12-06, Qwen3, graph us of gate_up alone, best
