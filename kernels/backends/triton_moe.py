@@ -150,6 +150,17 @@ class TritonConfig:
     registers (three programs per SM), 232.9 / 145.3 / 80.3 with down capped (gate_up's two tiles as today); at M = 48
     214.9 / 132.2 / 77.6 against 219.1 / 131.3 / 81.8, 223.9 / 128.1 / 81.6, 224.4 / 141.1 / 75.1 and 210.9 / 131.3 /
     74.6; Mixtral at M = 64 410.0 against 414.2. So at M = 48-64 the wgmmas' latency is not what bounds these GEMMs.
+    What does (ncu, H100, 2026-12-06, Qwen3 at M = 64 as for_load takes it): in gate_up the tensor pipe is active in 41%
+    of the cycles and the schedulers issue in 43%; the warps stall most at the CTA barrier that Triton's cp.async
+    pipeline puts in every k-step (31% of their cycles), then on fixed-latency dependencies (22%), on global loads
+    hardly (5%); down alike (tensor pipe 36%, barrier 28%, dependencies 18%). At M = 256 (8 warps, 128-row blocks)
+    gate_up's tensor pipe is active in 58% and barriers take 6%. Global memory is not the bound at M = 64: with the
+    loads of x, of the weights or of both masked off (no bytes moved, the rest unchanged) gate_up took 129.5 / 130.6 /
+    130.7 us against 135.4 (graph, best of three interleaved rounds), at M = 256 376.5 / 388.3 / 360.3 against 408.5. So
+    what would lift M = 48-64 is a k-loop without CTA barriers (tiles loaded by TMA or a producer warp, buffers released
+    through mbarriers: warp specialization), which Triton 3.6 does not make of these kernels: down with its act, weight
+    and scale tiles loaded through TMA descriptors (tl.make_tensor_descriptor) still had five CTA barriers per k-step
+    (sm_90a) and was slower, 82.7 -> 101.6 us at M = 64 and 81.9 -> 96.4 at M = 48 (bitwise the same output).
     Nor gate_up on k-blocks of 256 (half the loop's steps and CTA barriers; down kept on 128, which spills at 256:
     255 registers and 184-328 bytes of stack, sm_90a, Triton 3.9): on 2 stages 218 registers and 85 KB of shared
     memory, so two programs per SM, not three (H100, Triton 3.6, 2026-12-06, Qwen3, graph us of gate_up alone, best
