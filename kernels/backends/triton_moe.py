@@ -157,19 +157,19 @@ class TritonConfig:
     gate_up's tensor pipe is active in 58% and barriers take 6%. Global memory is not the bound at M = 64: with the
     loads of x, of the weights or of both masked off (no bytes moved, the rest unchanged) gate_up took 129.5 / 130.6 /
     130.7 us against 135.4 (graph, best of three interleaved rounds), at M = 256 376.5 / 388.3 / 360.3 against 408.5. So
-    what would lift M = 48-64 is a k-loop without CTA barriers (tiles loaded by TMA or a producer warp, buffers released
-    through mbarriers: warp specialization), which Triton 3.6 does not make of these kernels: down with its act, weight
-    and scale tiles loaded through TMA descriptors (tl.make_tensor_descriptor) still had five CTA barriers per k-step
-    (sm_90a) and was slower, 82.7 -> 101.6 us at M = 64 and 81.9 -> 96.4 at M = 48 (bitwise the same output). Nor is
-    barrier-free enough by itself: a first warp-specialized down in Gluon (Triton 3.6's triton.experimental.gluon; a
-    scratch kernel, not kept: one producer warp loading the act, weight and scale tiles by TMA into a ring of
-    mbarrier-guarded buffers, a consumer warpgroup dequantizing the next k-step while the last one's wgmmas run, one
-    tile per program, bitwise the same output) had no CTA barrier in its k-loop but took 94.1-95.7 us at M = 64 on 4
-    stages, with one or two consumer warpgroups, against Triton's 79.0-80.7 (H100, graph, three interleaved rounds
-    each), 102.6-105.6 on 3 stages, 136.2-138.2 on 2 (two warpgroups). Its buffers (117 KB, 133 KB with two warpgroups)
-    leave one program per SM, which then waits alone for each tile's first loads (6 k-steps per tile): the likely cause,
-    not established. A persistent form (each program walking tiles, the producer loading the next tile's k-steps during
-    the last one's epilogue) is the next step; it compiles (sm_90a) and was not measured.
+    the candidate for M = 48-64 is a k-loop without CTA barriers (tiles loaded by TMA or a producer warp, buffers
+    released through mbarriers: warp specialization), which Triton 3.6 does not make of these kernels: down with its
+    act, weight and scale tiles loaded through TMA descriptors (tl.make_tensor_descriptor) still had five CTA barriers
+    per k-step (sm_90a) and was slower, 82.7 -> 101.6 us at M = 64 and 81.9 -> 96.4 at M = 48 (bitwise the same output).
+    Nor is barrier-free enough by itself: a first warp-specialized down in Gluon (Triton 3.6's
+    triton.experimental.gluon; a scratch kernel, not kept: one producer warp loading the act, weight and scale tiles by
+    TMA into a ring of mbarrier-guarded buffers, a consumer warpgroup dequantizing the next k-step while the last one's
+    wgmmas run, one tile per program, bitwise the same output) had no CTA barrier in its k-loop but took 94.1-95.7 us at
+    M = 64 on 4 stages, with one or two consumer warpgroups, against Triton's 79.0-80.7 (H100, graph, three interleaved
+    rounds each), 102.6-105.6 on 3 stages, 136.2-138.2 on 2 (two warpgroups). Its buffers (117 KB, 133 KB with two
+    warpgroups) leave one program per SM, which then waits alone for each tile's first loads (6 k-steps per tile): the
+    likely cause, not established. A persistent form (each program walking tiles, the producer loading the next tile's
+    k-steps during the last one's epilogue) is the next step; it compiles (sm_90a) and was not measured.
     Nor gate_up on k-blocks of 256 (half the loop's steps and CTA barriers; down kept on 128, which spills at 256:
     255 registers and 184-328 bytes of stack, sm_90a, Triton 3.9): on 2 stages 218 registers and 85 KB of shared
     memory, so two programs per SM, not three (H100, Triton 3.6, 2026-12-06, Qwen3, graph us of gate_up alone, best
