@@ -161,15 +161,27 @@ class TritonConfig:
     released through mbarriers: warp specialization), which Triton 3.6 does not make of these kernels: down with its
     act, weight and scale tiles loaded through TMA descriptors (tl.make_tensor_descriptor) still had five CTA barriers
     per k-step (sm_90a) and was slower, 82.7 -> 101.6 us at M = 64 and 81.9 -> 96.4 at M = 48 (bitwise the same output).
-    Nor is barrier-free enough by itself: a first warp-specialized down in Gluon (Triton 3.6's
-    triton.experimental.gluon; a scratch kernel, not kept: one producer warp loading the act, weight and scale tiles by
-    TMA into a ring of mbarrier-guarded buffers, a consumer warpgroup dequantizing the next k-step while the last one's
-    wgmmas run, one tile per program, bitwise the same output) had no CTA barrier in its k-loop but took 94.1-95.7 us at
-    M = 64 on 4 stages, with one or two consumer warpgroups, against Triton's 79.0-80.7 (H100, graph, three interleaved
-    rounds each), 102.6-105.6 on 3 stages, 136.2-138.2 on 2 (two warpgroups). Its buffers (117 KB, 133 KB with two
-    warpgroups) leave one program per SM, which then waits alone for each tile's first loads (6 k-steps per tile): the
-    likely cause, not established. A persistent form (each program walking tiles, the producer loading the next tile's
-    k-steps during the last one's epilogue) is the next step; it compiles (sm_90a) and was not measured.
+    A first warp-specialized down in Gluon (Triton 3.6's triton.experimental.gluon; scratch kernels here and below, not
+    kept: one producer warp loading the act, weight and scale tiles by TMA into a ring of mbarrier-guarded buffers, a
+    consumer warpgroup dequantizing the next k-step while the last one's wgmmas run, one tile per program, bitwise the
+    same output) took 94.1-95.7 us at M = 64 on 4 stages, with one or two consumer warpgroups, against Triton's
+    79.0-80.7 (H100, graph, three interleaved rounds each), 102.6-105.6 on 3 stages, 136.2-138.2 on 2. It was not
+    barrier-free, as first written here: Gluon puts a warpgroup barrier (bar.sync 0, 128) before every mbarrier.arrive
+    (Triton 3.9's Gluon too), and 3.6's shared-memory barrier analysis another before the next k-step's mbarrier.wait on
+    the same allocation, so its k-loop had two per step. Without them (H100, 2026-12-06, graph us, three interleaved
+    rounds, every output bitwise the same as Triton's), down at M = 64: the k-loop unrolled over one mbarrier allocation
+    per stage (4 barriers left per 6-step tile) 93.9-97.5 against the first form's 97.5-106.7 and Triton's 79.4-80.1;
+    persistent programs, one per SM, whose consumer warps release each stage on their own (lane 0 of each warp arrives
+    on an mbarrier of count 4 through inline PTX, at the shared-memory offset read back from the compiled kernel's PTX;
+    no barrier left in the k-loop) 90.0-92.8, with two consumer warpgroups 83.6-85.1. Down's tiles have 6 k-steps at
+    Qwen3's I = 768. Gate_up's have 16, and there the same persistent, barrier-free form beat Triton: its producer warp
+    gathering x's rows by cp.async (their completion counted on the stage's mbarrier) and loading the gate and up weight
+    tiles and their scales by TMA, 4 stages (117 KB, 255 registers: one program per SM), gate_up at M = 64 took
+    122.5-128.7 us against Triton's 133.0-146.7 (two runs; on 2 stages 238-245), its output bitwise the same as
+    Triton's; ncu: tensor pipe active in 48% of the cycles against Triton's 41%. It is not a kernel of this module yet:
+    it takes one 64-row block per expert, bf16 and SiLU only, H a multiple of 512, the Gluon API differs between Triton
+    3.6 and 3.9 (tma.async_copy_global_to_shared became tma.async_load), and its per-warp release rests on an offset
+    read back from PTX.
     Nor gate_up on k-blocks of 256 (half the loop's steps and CTA barriers; down kept on 128, which spills at 256:
     255 registers and 184-328 bytes of stack, sm_90a, Triton 3.9): on 2 stages 218 registers and 85 KB of shared
     memory, so two programs per SM, not three (H100, Triton 3.6, 2026-12-06, Qwen3, graph us of gate_up alone, best
