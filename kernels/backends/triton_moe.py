@@ -178,10 +178,17 @@ class TritonConfig:
     gathering x's rows by cp.async (their completion counted on the stage's mbarrier) and loading the gate and up weight
     tiles and their scales by TMA, 4 stages (117 KB, 255 registers: one program per SM), gate_up at M = 64 took
     122.5-128.7 us against Triton's 133.0-146.7 (two runs; on 2 stages 238-245), its output bitwise the same as
-    Triton's; ncu: tensor pipe active in 48% of the cycles against Triton's 41%. It is not a kernel of this module yet:
-    it takes one 64-row block per expert, bf16 and SiLU only, H a multiple of 512, the Gluon API differs between Triton
-    3.6 and 3.9 (tma.async_copy_global_to_shared became tma.async_load), and its per-warp release rests on an offset
-    read back from PTX.
+    Triton's; ncu: tensor pipe active in 48% of the cycles against Triton's 41%. But not once it did what the layer
+    needs of it (H100, same day, one run, every output bitwise the same): reading each expert's rows from the routing's
+    bounds (masked) and counting each stored tile in ready for down (a warpgroup barrier and a release atomic at GPU
+    scope per tile, on the consumer's warps), it took 159.0-169.3 against Triton's 134.8-141.7, and the layer with it
+    256.7-264.5 against 227.4-234.7 at M = 64, 241.1-249.9 against 218.6-223.1 at M = 48; on two consumer warpgroups
+    (gate on one, up on the other) 168.4-177.3. Why is not established: with one consumer warpgroup per SM the atomic's
+    fence waits on the consumer's path, and each tile's first copies wait on two dependent index loads; a form with both
+    off that path (a signalling warp, the next tile's rows loaded ahead) compiles and was not measured. Nor is it a
+    kernel of this module yet: it takes one 64-row block per expert, bf16 and SiLU only, H a multiple of 512, the Gluon
+    API differs between Triton 3.6 and 3.9 (tma.async_copy_global_to_shared became tma.async_load), and its per-warp
+    release rests on an offset read back from PTX.
     Nor gate_up on k-blocks of 256 (half the loop's steps and CTA barriers; down kept on 128, which spills at 256:
     255 registers and 184-328 bytes of stack, sm_90a, Triton 3.9): on 2 stages 218 registers and 85 KB of shared
     memory, so two programs per SM, not three (H100, Triton 3.6, 2026-12-06, Qwen3, graph us of gate_up alone, best
