@@ -148,6 +148,11 @@ class UnaryProtobuf:
 
 ROUNDS = 32  # each path's round trips come in short blocks that alternate with the other paths'
 BLOCK_S = 0.015  # a block lasts this long, and holds at least one round trip
+# The rounds stop early once a (payload, fan-out) has taken ROUNDS_BUDGET_S, after MIN_ROUNDS (each peer has led
+# a round): at 8 MiB fanned out to 8 a round of the five paths took about 1 s on the 2-core EPYC host (the first
+# slice's path 0.45 s of it), so 32 of them were a third of the round trips' minute and a half (2026-12-07).
+MIN_ROUNDS = NUM_WORKERS
+ROUNDS_BUDGET_S = 3.0
 
 
 def peers(first: int, fanout: int) -> list[int]:
@@ -170,7 +175,11 @@ def measure_interleaved(clients: dict, data: dict, fanout: int, servers: dict) -
         for first in range(NUM_WORKERS):
             client.round_trip(data[path], peers(first, fanout))
     order = random.Random(0)  # the same orders every run
+    began, rounds = time.perf_counter(), 0
     for r in range(ROUNDS):
+        if r >= MIN_ROUNDS and time.perf_counter() - began > ROUNDS_BUDGET_S:
+            break
+        rounds += 1
         for path in order.sample(list(clients), len(clients)):
             client, chosen = clients[path], peers(r, fanout)
             server0 = cpu_seconds(servers[path])
@@ -187,6 +196,7 @@ def measure_interleaved(clients: dict, data: dict, fanout: int, servers: dict) -
         ts.sort()
         size = len(data[path]) if isinstance(data[path], memoryview) else data[path].numel() * data[path].element_size()
         rows[path] = {
+            "rounds": rounds,
             "iterations": len(ts),
             "p50_ms": statistics.median(ts) * 1e3,
             "p99_ms": ts[min(len(ts) - 1, int(len(ts) * 0.99))] * 1e3,
