@@ -63,7 +63,7 @@ from protos import codec
 from protos import expert_pb2_grpc as pb_grpc
 from protos.checkpoint import read_checkpoint
 from protos.placement import Placement
-from protos.frames import recv_into_exactly, send_parts
+from protos.streams import recv_into_exactly, send_parts
 from protos.security import Security
 from benchmarks import machine
 

@@ -12,7 +12,7 @@ import socket
 import struct
 import threading
 
-from protos.frames import recv_into_exactly, send_parts
+from protos.streams import recv_into_exactly, send_parts
 
 LENGTH = struct.Struct("<Q")
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import enum
 import socket
-import ssl
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ import torch
 
 from protos import codec
 from protos import expert_pb2 as pb
+from protos.streams import recv_into_exactly, send_parts
 
 # Frames over gRPC travel outside protobuf, as the raw bytes of this bidirectional method.
 GRPC_SERVICE = f"{pb.DESCRIPTOR.package}.FrameStream"
@@ -248,35 +248,6 @@ def _view(buffer, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
 
 def send_frame(sock: socket.socket, header: Header, parts: Sequence[bytes | memoryview] = ()) -> None:
     send_parts(sock, [header.pack(), *parts])
-
-
-def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
-    """Buffers back to back, in one sendmsg where the kernel takes them all, else in pieces."""
-    buffers = [memoryview(p).cast("B") for p in parts if len(p)]
-    if isinstance(sock, ssl.SSLSocket):  # no sendmsg on TLS; one record, whose encryption copies anyway
-        sock.sendall(b"".join(buffers))
-        return
-    sent = sock.sendmsg(buffers)
-    for buffer in buffers:
-        size = buffer.nbytes
-        if sent >= size:
-            sent -= size
-            continue
-        sock.sendall(buffer[sent:])
-        sent = 0
-
-
-def recv_into_exactly(sock: socket.socket, view: memoryview) -> bool:
-    """Fill `view` from the socket; False on a clean end of stream before the first byte."""
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            if got == 0:
-                return False
-            raise ConnectionResetError(f"stream ended {got} bytes into a {len(view)}-byte read")
-        got += n
-    return True
 
 
 class ReceiveBuffer:

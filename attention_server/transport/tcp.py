@@ -13,6 +13,7 @@ from attention_server.transport.base import (
 from protos import codec, frames
 from protos.frames import FrameError, Header, Kind
 from protos.security import Security
+from protos.streams import recv_into_exactly
 
 
 class TcpChannel(OrderedChannel):
@@ -39,7 +40,7 @@ class TcpChannel(OrderedChannel):
             frames.send_frame(sock, hello, [token])
             header = frames.recv_header(sock)  # TLS 1.3: a refused client certificate shows here
             reason = bytearray(header.payload if header is not None else 0)
-            if header is not None and header.payload and not frames.recv_into_exactly(sock, memoryview(reason)):
+            if header is not None and header.payload and not recv_into_exactly(sock, memoryview(reason)):
                 header = None
         except ssl.SSLError as err:
             sock.close()
@@ -87,7 +88,7 @@ class TcpChannel(OrderedChannel):
                 raise self.lost("the worker closed the connection")
             buffer = self.buffers.setdefault(self.sent.pop(header.request, 0), frames.ReceiveBuffer())
             payload = buffer.view(header.payload)
-            if header.payload and not frames.recv_into_exactly(sock, payload):
+            if header.payload and not recv_into_exactly(sock, payload):
                 raise self.lost("the worker closed the connection mid-frame")
         except (OSError, FrameError, codec.CodecError) as err:
             raise self.receive_failed(err) from None

@@ -9,6 +9,7 @@ from protos import codec, frames
 from protos import expert_pb2 as pb
 from protos.frames import FrameError, Kind
 from protos.security import MAX_TOKEN_BYTES, Security
+from protos.streams import recv_into_exactly
 
 
 class TcpPlane(Plane):
@@ -55,7 +56,7 @@ class TcpPlane(Plane):
             if header.payload > MAX_TOKEN_BYTES:
                 raise FrameError(f"a {header.kind.name} frame of {header.payload} bytes before HELLO")
             token = bytearray(header.payload)
-            if header.payload and not frames.recv_into_exactly(conn, memoryview(token)):
+            if header.payload and not recv_into_exactly(conn, memoryview(token)):
                 return False
         except (FrameError, codec.CodecError) as err:
             self._refuse_stream(conn, err)
