@@ -184,11 +184,16 @@ class TritonConfig:
     scope per tile, on the consumer's warps), it took 159.0-169.3 against Triton's 134.8-141.7, and the layer with it
     256.7-264.5 against 227.4-234.7 at M = 64, 241.1-249.9 against 218.6-223.1 at M = 48; on two consumer warpgroups
     (gate on one, up on the other) 168.4-177.3. Why is not established: with one consumer warpgroup per SM the atomic's
-    fence waits on the consumer's path, and each tile's first copies wait on two dependent index loads; a form with both
-    off that path (a signalling warp, the next tile's rows loaded ahead) compiles and was not measured. Nor is it a
-    kernel of this module yet: it takes one 64-row block per expert, bf16 and SiLU only, H a multiple of 512, the Gluon
-    API differs between Triton 3.6 and 3.9 (tma.async_copy_global_to_shared became tma.async_load), and its per-warp
-    release rests on an offset read back from PTX.
+    fence waits on the consumer's path, and each tile's first copies wait on two dependent index loads. With both off
+    that path it still lost (H100, 2026-12-07, graph us, three interleaved rounds, every output bitwise the same as
+    Triton's): a signalling warp counting the stored tiles and the next tile's rows loaded ahead (255 registers, 116,876
+    B of shared memory, 3 warpgroup barriers in the kernel, sm_90a), gate_up alone at M = 64 145.7-150.9 against
+    Triton's 135.0-142.1; storing act straight from the wgmma accumulators instead of through shared memory (100,748 B,
+    one barrier) 146.8-154.1; the layer with them 247.6-249.3 and 244.0-246.0 against Triton's 223.1-229.3 at M = 64,
+    232.9-235.6 and 228.6-235.0 against 215.3-222.1 at M = 48. The Gluon gate_up is not pursued further here; it
+    took one 64-row block per expert, bf16 and SiLU only, H a multiple of 512, the Gluon API differs between Triton 3.6
+    and 3.9 (tma.async_copy_global_to_shared became tma.async_load), and its per-warp release rests on an offset read
+    back from PTX.
     Nor gate_up on k-blocks of 256 (half the loop's steps and CTA barriers; down kept on 128, which spills at 256:
     255 registers and 184-328 bytes of stack, sm_90a, Triton 3.9): on 2 stages 218 registers and 85 KB of shared
     memory, so two programs per SM, not three (H100, Triton 3.6, 2026-12-06, Qwen3, graph us of gate_up alone, best
