@@ -20,6 +20,7 @@ wheels), so a second run takes seconds. Needs root (debootstrap), debootstrap an
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import logging
@@ -28,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,14 +159,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workdir", type=Path, default=Path("/var/tmp"), help="where debootstrap builds root filesystems")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    for image in (PYTHON_BASE, PROMETHEUS):
-        start = time.monotonic()
-        if make_rootfs_image(image, a.workdir):
-            logger.info("%s: made in %.0f s", image.name, time.monotonic() - start)
-    start = time.monotonic()
     a.wheelhouse.mkdir(parents=True, exist_ok=True)
-    if make_wheelhouse(a.wheelhouse):
-        logger.info("%s: made in %.0f s", a.wheelhouse, time.monotonic() - start)
+    jobs = {image.name: functools.partial(make_rootfs_image, image, a.workdir) for image in (PYTHON_BASE, PROMETHEUS)}
+    jobs[str(a.wheelhouse)] = functools.partial(make_wheelhouse, a.wheelhouse)
+    # Independent, and each waits on the network or the disk part of the time: made at once.
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        for future in [pool.submit(_timed, name, job) for name, job in jobs.items()]:
+            future.result()  # an error raises once the others have ended
+
+
+def _timed(name: str, make: Callable[[], bool]) -> None:
+    start = time.monotonic()
+    if make():
+        logger.info("%s: made in %.0f s", name, time.monotonic() - start)
 
 
 if __name__ == "__main__":
