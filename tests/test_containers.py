@@ -41,7 +41,8 @@ from cluster.__main__ import CPU_VLLM_ARGS
 from cluster.certs import make_certs
 from cluster.launcher import Cluster, ClusterSpec
 from tests.support import (
-    HOST, PROMPTS, Generation, find_compose, free_ports, free_worker_ports, generate, label_values, scrape, total,
+    HOST, PROMPTS, Generation, find_compose, free_ports, free_worker_ports, generate, label_values, openai_client,
+    scrape, total,
 )  # fmt: skip
 from tests.test_cluster import TOLERANCES
 
@@ -309,6 +310,23 @@ def _assert_same_tokens(native: list[Generation], served: list[Generation], labe
     assert not failures, f"{label}: a token differs where the native cluster is sure: {failures}"
 
 
+COLOURS = ["red", "green", "blue"]
+
+
+def _assert_structured_output(label: str) -> None:
+    """A choice constraint holds where the unconstrained answer is no choice: structured outputs
+    work in the image, which leaves triton out (xgrammar masks CPU logits with its C++ kernel)."""
+    with openai_client(ATTENTION_URL) as client:
+        def complete(**extra) -> str:
+            return client.completions.create(model=SERVED, prompt="My favourite colour is", max_tokens=16,
+                                             temperature=0, extra_body=extra).choices[0].text  # fmt: skip
+
+        free, constrained = complete(), complete(structured_outputs={"choice": COLOURS})
+    assert free.strip() not in COLOURS, f"{label}: the model says {free!r} unconstrained: the check shows nothing"
+    assert constrained in COLOURS, f"{label}: {constrained!r} under a choice of {COLOURS}"
+    print(f"{label}: structured output {constrained!r} (unconstrained {free!r})")
+
+
 # What the deployments listen on in the host's network namespace or publish there, fixed by the
 # compose files, most of it inside the kernel's ephemeral range: a client socket (of this process
 # or any) that was given one of these as its local port keeps the server from binding it, and its
@@ -340,6 +358,7 @@ def _serve_and_check(projects: list[Project], native: list[Generation], plane: s
         for project in projects:
             print(f"\n{label}: {project.name} up and healthy in {project.up():.0f} s")
         _assert_same_tokens(native, generate(ATTENTION_URL), label)
+        _assert_structured_output(label)
         targets = _targets_up()
         assert targets == _expected_targets(), f"{label}: targets up {sorted(targets)}"
         print(f"{label}: Prometheus sees all {len(targets)} targets up")
