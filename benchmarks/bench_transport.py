@@ -16,7 +16,9 @@ One run, loopback only, every process started and stopped by the bench:
    more per plane), same flags (compiled), and the cluster's cost per MoE layer. All
    servers start at once, with the workers, and are measured in alternating rounds, each round
    starting with the next server (latency: medians of eight rounds; throughput: the fastest of
-   eight, and their median beside it), then stopped before part 1 runs.
+   eight, and their median beside it), then stopped before part 1 runs. With the throughput, the CPU
+   each round took per output token, by role: vLLM's API server, engine core and model process, the
+   expert workers, the streaming client (all on the same cores here).
 
 Workers and attention servers run with mutual TLS and the token, as `make up` runs them
 (benchmarks/bench_tls.py measures what that costs); --plaintext runs them without, as the floor
@@ -282,6 +284,14 @@ def streams_rate(url: str, model: str) -> float:
 
 
 E2E_ROUNDS = 8
+# Where each 16-stream round's CPU goes, by role: a vLLM server's API server (the process it starts as), engine core
+# and model process (vLLM names the last two by their role), the eight expert workers (the cluster's rounds only) and
+# the streaming client (this process), all on the same cores. The engine core and the model process poll vLLM's
+# shared-memory queues between messages (sched_yield), so theirs include time that no other process wanted.
+CPU_ROLES = ("api_server", "engine_core", "model", "expert_workers", "client")
+# And, for the cluster, what its steps' model forward spent in the MoE layers' host stages (the attention server's
+# hetero_moe_step_* histograms): the forward, the dispatch, the wait for the workers and the combine.
+STEP_PARTS = ("forward", "dispatch", "expert_wait", "combine")
 # vLLM's engine and model worker poll their shared-memory queues (sched_yield) for a second after
 # the last message before they block: the server measured before must be idle before the next.
 ENGINE_IDLE_S = 1.5
@@ -313,7 +323,21 @@ class EndToEnd:
                 self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                                     env=env)  # fmt: skip
 
-    def measure(self, num_moe_layers: int) -> dict:
+    def _roles(self, name: str, worker_pids: list[int]) -> dict[str, list[psutil.Process]]:
+        """The processes whose CPU a round of `name` is charged, by role (CPU_ROLES)."""
+        server = psutil.Process(self.procs[name].pid)
+        roles = {role: [] for role in CPU_ROLES}
+        roles["api_server"].append(server)
+        for child in server.children(recursive=True):
+            role = {"VLLM::EngineCore": "engine_core", "VLLM::Worker": "model"}.get(child.name().split("_")[0])
+            if role is not None:
+                roles[role].append(child)
+        if name != "stock":
+            roles["expert_workers"] = [psutil.Process(pid) for pid in worker_pids]
+        roles["client"].append(psutil.Process())
+        return roles
+
+    def measure(self, num_moe_layers: int, worker_pids: list[int]) -> dict:
         from openai import OpenAI  # the end-to-end part only (the GPU mode runs where no vLLM client is)
 
         clients = {}
@@ -329,11 +353,20 @@ class EndToEnd:
             time.sleep(ENGINE_IDLE_S)
         itl = {name: [] for name in self.names}
         rates = {name: [] for name in self.names}
+        roles = {name: self._roles(name, worker_pids) for name in self.names}
+        cpu = {name: {role: [] for role in CPU_ROLES} for name in self.names}  # per round, ms per output token
+        steps = {plane: dict.fromkeys((*STEP_PARTS, "steps"), 0.0) for plane in self.planes}  # summed over rounds
         for r in range(E2E_ROUNDS):  # each round starts with the next server: none is always measured first
             for name in self.names[r % len(self.names):] + self.names[:r % len(self.names)]:
                 client, model_id, url = clients[name]
                 itl[name].append(itl_seconds(client, model_id))
+                steps_before = _step_seconds(url) if name in steps else {}
+                before = {role: cpu_seconds(procs) for role, procs in roles[name].items()}
                 rates[name].append(streams_rate(url, model_id))
+                for role, procs in roles[name].items():
+                    cpu[name][role].append((cpu_seconds(procs) - before[role]) / (16 * DECODE_TOKENS) * 1e3)
+                for part, value in (_step_seconds(url).items() if name in steps else ()):
+                    steps[name][part] += value - steps_before[part]
                 time.sleep(ENGINE_IDLE_S)
         result = {}
         for name in self.names:
@@ -344,10 +377,15 @@ class EndToEnd:
                             # and a 3-5x slower mode from round to round, where a median picks either
                             "streams_16_tokens_per_s": max(rates[name]),
                             "streams_16_median_tokens_per_s": statistics.median(rates[name]),
-                            "streams_16_each_round": rates[name]}  # fmt: skip
+                            "streams_16_each_round": rates[name],
+                            # the medians over the rounds, by role (CPU_ROLES)
+                            "streams_16_cpu_ms_per_token": {role: statistics.median(v)
+                                                            for role, v in cpu[name].items()}}  # fmt: skip
         stock = result["stock"]
         for plane in self.planes:
             r = result[plane]
+            n = steps[plane]["steps"]  # the mean over the 16-stream rounds' steps, ms
+            r["streams_16_step_ms"] = {part: steps[plane][part] / n * 1e3 for part in STEP_PARTS} | {"steps": n}
             r["moe_layer_overhead_ms"] = (r["itl_ms"] - stock["itl_ms"]) / num_moe_layers
             r["throughput_vs_stock"] = r["streams_16_tokens_per_s"] / stock["streams_16_tokens_per_s"]
             r["median_throughput_vs_stock"] = r["streams_16_median_tokens_per_s"] / stock["streams_16_median_tokens_per_s"]
@@ -378,6 +416,20 @@ def table(rows: list[dict], e2e: dict | None) -> str:
             lines.append(f"{name:44} {r['itl_ms']:10.2f} {r.get('moe_layer_overhead_ms', 0):13.2f} "
                          f"{r['streams_16_tokens_per_s']:16.0f} {r.get('throughput_vs_stock', 1):7.2f} "
                          f"{r['streams_16_median_tokens_per_s']:12.0f} {r.get('median_throughput_vs_stock', 1):7.2f}")  # fmt: skip
+        lines += ["", f"{'16 streams: CPU ms per output token':44} " + " ".join(f"{role:>14}" for role in CPU_ROLES)
+                  + f" {'all':>6}"]  # fmt: skip
+        for name, r in e2e.items():
+            split = r["streams_16_cpu_ms_per_token"]
+            lines.append(f"{name:44} " + " ".join(f"{split[role]:14.3f}" for role in CPU_ROLES)
+                         + f" {sum(split.values()):6.3f}")  # fmt: skip
+        planes = [name for name, r in e2e.items() if "streams_16_step_ms" in r]
+        if planes:
+            lines += ["", f"{'16 streams: a step of the cluster, mean ms':44} "
+                          + " ".join(f"{part:>14}" for part in STEP_PARTS) + f" {'steps':>6}"]  # fmt: skip
+            for name in planes:
+                step = e2e[name]["streams_16_step_ms"]
+                lines.append(f"{name:44} " + " ".join(f"{step[part]:14.3f}" for part in STEP_PARTS)
+                             + f" {step['steps']:6.0f}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -408,15 +460,27 @@ def plot(rows: list[dict], path: Path) -> None:
 GPU_TOKENS, GPU_STEPS = 64, 200
 
 
-def _forward_seconds(url: str) -> tuple[float, float]:
-    """(sum, count) of a worker's Forward time: decode, validation, experts, encode."""
+def _samples(url: str) -> dict[str, float]:
+    """A /metrics page's unlabelled samples, by name."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(url, timeout=10) as r:
-        samples = {s.name: s.value for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
+        return {s.name: s.value for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
+
+
+def _forward_seconds(url: str) -> tuple[float, float]:
+    """(sum, count) of a worker's Forward time: decode, validation, experts, encode."""
+    samples = _samples(url)
     return samples["hetero_moe_worker_forward_seconds_sum"], samples["hetero_moe_worker_forward_seconds_count"]
+
+
+def _step_seconds(url: str) -> dict[str, float]:
+    """The attention server's step histograms so far (attention_server/metrics.py): each one's sum, and the steps."""
+    samples = _samples(f"{url}/metrics")
+    totals = {part: samples[f"hetero_moe_step_{part}_seconds_sum"] for part in STEP_PARTS}
+    return totals | {"steps": samples["hetero_moe_step_forward_seconds_count"]}
 
 
 def gpu_layers(logs: Path) -> dict:
@@ -534,7 +598,7 @@ def main() -> None:
         security = Security.load(spec.tls_dir, "attention")
         e2e = None
         if e2e_servers is not None:
-            e2e = e2e_servers.measure(len(read_checkpoint(model).moe_layers))
+            e2e = e2e_servers.measure(len(read_checkpoint(model).moe_layers), workers)
             e2e_servers.stop()
         rows = [] if a.skip_round_trips else round_trips(spec.endpoints, workers, echo_ports, echoes, security)
     finally:
