@@ -277,10 +277,13 @@ def itl_seconds(client, model: str) -> tuple[float, float]:
     return completion_seconds(client, model, prompt, 1), completion_seconds(client, model, prompt, DECODE_TOKENS)
 
 
+STREAMS_TOKENS = 16 * DECODE_TOKENS  # output tokens of one round of streams_rate
+
+
 def streams_rate(url: str, model: str) -> float:
     start = time.perf_counter()
     concurrent_streams(url, model, DECODE_TOKENS)
-    return 16 * DECODE_TOKENS / (time.perf_counter() - start)
+    return STREAMS_TOKENS / (time.perf_counter() - start)
 
 
 E2E_ROUNDS = 8
@@ -360,13 +363,14 @@ class EndToEnd:
             for name in self.names[r % len(self.names):] + self.names[:r % len(self.names)]:
                 client, model_id, url = clients[name]
                 itl[name].append(itl_seconds(client, model_id))
-                steps_before = _step_seconds(url) if name in steps else {}
+                steps_before = _step_seconds(url) if name in steps else None
                 before = {role: cpu_seconds(procs) for role, procs in roles[name].items()}
                 rates[name].append(streams_rate(url, model_id))
                 for role, procs in roles[name].items():
-                    cpu[name][role].append((cpu_seconds(procs) - before[role]) / (16 * DECODE_TOKENS) * 1e3)
-                for part, value in (_step_seconds(url).items() if name in steps else ()):
-                    steps[name][part] += value - steps_before[part]
+                    cpu[name][role].append((cpu_seconds(procs) - before[role]) / STREAMS_TOKENS * 1e3)
+                if steps_before is not None:
+                    for part, value in _step_seconds(url).items():
+                        steps[name][part] += value - steps_before[part]
                 time.sleep(ENGINE_IDLE_S)
         result = {}
         for name in self.names:
