@@ -8,7 +8,8 @@ checkpoint size) / time; TFLOP/s = 2 * pairs * 3 * H * I / time. Ceilings measur
 a device copy (read + write bytes / time), a dense bf16 torch.matmul at a large square shape
 (FLOP / time), and torch's own int4 GEMM (`_weight_int4pack_mm`, tinygemm on CUDA;
 `_weight_int4pack_mm_for_cpu` on CPU) on the same weights, once as a single GEMM over all experts
-(its best case) and once looped over experts, up to M = 64 (a decode ceiling). The peer on a GPU:
+(its best case) and once looped over experts, up to M = 64 (a decode ceiling), and the layer with its weights
+dequantized to bf16 through torch.bmm (cuBLAS on a GPU: dense bf16 on the same GEMM shapes). The peer on a GPU:
 vLLM 0.32.0's Triton int4 MoE kernel with vLLM's default launch parameters (benchmarks/vllm_peer/),
 checked against the reference on a small shape first (meta) and at M = 1 and 8 (rows).
 On CPU the shapes keep H and I but fewer experts, and fewer token counts and iterations.
@@ -260,6 +261,36 @@ def torch_int4_rows(weights: W4A16ExpertWeights, problems: list[Problem], device
     return rows
 
 
+def torch_bf16_rows(weights: W4A16ExpertWeights, problems: list[Problem], device: torch.device, iters: int,
+                    peaks: Peaks) -> list[Row]:
+    """The same layer with the weights dequantized to bf16, through torch.bmm (cuBLAS on a GPU): every expert's
+    M rows are one batch entry (the bench gives each expert exactly M), so this is dense bf16's best case on these
+    very GEMM shapes: the rows gathered by expert, gate_up, SiLU * up, down and the router weights, but no routing
+    and no sum of each token's pairs. It reads four times the int4 bytes, and it does not dequantize in the loop."""
+    shape = problems[0].shape
+    w13 = torch.stack([weights.w13.dequantize(e) for e in range(shape.experts)]).to(torch.bfloat16).transpose(1, 2)
+    w2 = torch.stack([weights.w2.dequantize(e) for e in range(shape.experts)]).to(torch.bfloat16).transpose(1, 2)
+    rows = []
+    for p in problems:
+        by_expert = torch.argsort(p.pair_experts, stable=True).view(shape.experts, p.tokens_per_expert)  # [E, M]
+        pair_rows, pair_weights = p.pair_rows[by_expert], p.pair_weights[by_expert, None].to(torch.bfloat16)
+
+        def layer(p: Problem = p, pair_rows=pair_rows, pair_weights=pair_weights) -> torch.Tensor:
+            gate, up = torch.bmm(p.hidden[pair_rows], w13).chunk(2, dim=-1)  # [E, M, I] each
+            return torch.bmm(torch.nn.functional.silu(gate) * up, w2) * pair_weights  # [E, M, H]
+
+        seconds = time_call(layer, device, iters)
+        error = None
+        if p.tokens_per_expert in (1, 8):  # its pairs summed per token (not timed) against the reference
+            out = torch.zeros(p.hidden.shape, device=device)
+            out.index_add_(0, pair_rows.flatten(), layer().flatten(0, 1).float())
+            ref = moe_experts_w4a16_reference(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights, weights)
+            error = ((out - ref).abs().max() / ref.abs().max()).item()
+        rows.append(_show(_row(shape, "torch_bf16_bmm", p.tokens_per_expert, seconds, peaks,
+                               time_graph(layer, device, iters), error)))
+    return rows
+
+
 class _TorchInt4:
     """All experts of one projection as one [E*N, K] int4 matrix in torch's packed layout."""
 
@@ -506,6 +537,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backends", help="default: triton,hip_fdot2 on a GPU; cpu,reference on CPU")
     parser.add_argument("--no-peer", action="store_true", help="skip vLLM's Triton kernel (GPU)")
     parser.add_argument("--no-torch-int4", action="store_true", help="skip torch's int4 GEMM ceilings")
+    parser.add_argument("--no-torch-bf16", action="store_true", help="skip the layer in dense bf16 through torch.bmm")
     parser.add_argument("--iters", type=int, help="default: 50 on a GPU, 3 on CPU")
     parser.add_argument("--threads", type=int, help="CPU threads (default 1 on CPU: on a shared 2-core box two "
                         "OpenMP threads measured 30x slower than one)")
@@ -565,6 +597,8 @@ def main(argv: list[str] | None = None) -> None:
                 weights, problems, device, iters, peaks, args.sweep_iters if args.sweep else 0)))
         if not args.no_torch_int4:
             steps.append(("torch_int4", lambda: torch_int4_rows(weights, problems, device, iters, peaks)))
+        if not args.no_torch_bf16:
+            steps.append(("torch_bf16", lambda: torch_bf16_rows(weights, problems, device, iters, peaks)))
         if args.sweep and gpu:
             steps.append(("triton sweep", lambda: _sweep_rows(weights, problems, device, args.sweep_iters, peaks,
                                                               breakdown)))
