@@ -205,14 +205,20 @@ def run_backend(
             return experts(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights, rows_ascending=True)
 
         seconds = time_call(call, device, iters)
-        error = None
-        if p.tokens_per_expert in (1, 8):
-            ref = moe_experts_w4a16_reference(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights, weights)
-            error = ((call() - ref).abs().max() / ref.abs().max()).item()
+        error = _reference_error(call(), p, weights) if p.tokens_per_expert in CHECKED_TOKENS else None
         graph = time_graph(call, device, iters)
         chosen = config or _load_config(experts, p)
         rows.append(_show(_row(shape, name, p.tokens_per_expert, seconds, peaks, graph, error, chosen)))
     return rows
+
+
+CHECKED_TOKENS = (1, 8)  # the Ms at which a row's output is compared with the reference
+
+
+def _reference_error(out: torch.Tensor, p: Problem, weights: W4A16ExpertWeights) -> float:
+    """Max |out - reference| over max |reference|, for the layer's output [T, H] on problem p."""
+    ref = moe_experts_w4a16_reference(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights, weights)
+    return ((out.float() - ref).abs().max() / ref.abs().max()).item()
 
 
 def _load_config(experts, p: Problem) -> str:
@@ -268,8 +274,8 @@ def torch_bf16_rows(weights: W4A16ExpertWeights, problems: list[Problem], device
     very GEMM shapes: the rows gathered by expert, gate_up, SiLU * up, down and the router weights, but no routing
     and no sum of each token's pairs. It reads four times the int4 bytes, and it does not dequantize in the loop."""
     shape = problems[0].shape
-    w13 = torch.stack([weights.w13.dequantize(e) for e in range(shape.experts)]).to(torch.bfloat16).transpose(1, 2)
-    w2 = torch.stack([weights.w2.dequantize(e) for e in range(shape.experts)]).to(torch.bfloat16).transpose(1, 2)
+    w13, w2 = (torch.stack([w.dequantize(e).to(torch.bfloat16) for e in range(shape.experts)]).transpose(1, 2)
+               for w in (weights.w13, weights.w2))  # [E, K, N] each
     rows = []
     for p in problems:
         by_expert = torch.argsort(p.pair_experts, stable=True).view(shape.experts, p.tokens_per_expert)  # [E, M]
@@ -281,11 +287,10 @@ def torch_bf16_rows(weights: W4A16ExpertWeights, problems: list[Problem], device
 
         seconds = time_call(layer, device, iters)
         error = None
-        if p.tokens_per_expert in (1, 8):  # its pairs summed per token (not timed) against the reference
-            out = torch.zeros(p.hidden.shape, device=device)
-            out.index_add_(0, pair_rows.flatten(), layer().flatten(0, 1).float())
-            ref = moe_experts_w4a16_reference(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights, weights)
-            error = ((out - ref).abs().max() / ref.abs().max()).item()
+        if p.tokens_per_expert in CHECKED_TOKENS:  # its pairs summed per token, not timed
+            out = torch.zeros(p.hidden.shape, device=device).index_add_(0, pair_rows.flatten(),
+                                                                        layer().flatten(0, 1).float())
+            error = _reference_error(out, p, weights)
         rows.append(_show(_row(shape, "torch_bf16_bmm", p.tokens_per_expert, seconds, peaks,
                                time_graph(layer, device, iters), error)))
     return rows
@@ -508,8 +513,7 @@ def vllm_peer_check(device: torch.device) -> float:
     weights = random_weights(shape, device, seed=1)
     p = problem(shape, 4, device)
     out = VllmTritonMoe(weights, shape.top_k, device)(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights)
-    ref = moe_experts_w4a16_reference(p.hidden, p.pair_rows, p.pair_experts, p.pair_weights, weights)
-    return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    return _reference_error(out, p, weights)
 
 
 def _describe(config, changed_only: bool = False) -> str:
