@@ -242,13 +242,14 @@ def test_certs_are_private_and_never_overwritten(tmp_path):
 
 
 def _start_cluster(model, logs, *flags: str) -> tuple[subprocess.Popen, str]:
-    """`python -m cluster up` (TCP data plane) with `flags`, and its URL."""
+    """`python -m cluster up` (TCP data plane, eager: what TLS changes is the wire, not the graph) with `flags`, and
+    its URL."""
     (http,) = free_ports(1)
     with open(logs / "cluster.log", "wb") as log:
         up = subprocess.Popen(python_module(
             "cluster", "up", "--model", str(model), "--host", HOST, "--port", str(http),
             *port_flags(free_worker_ports(8)), "--data-plane", "tcp", "--pingpong-microbatches", "1",
-            "--run-dir", str(logs / "run"), *flags, "--", *VLLM_CPU_ARGS, "--dtype", "float32"),
+            "--run-dir", str(logs / "run"), *flags, "--", *VLLM_CPU_ARGS, "--dtype", "float32", "--enforce-eager"),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     return up, f"http://{HOST}:{http}"
 
