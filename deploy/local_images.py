@@ -11,8 +11,10 @@ its Python dependencies without an index:
   deploy/wheelhouse/               wheels of pyproject's dependencies (and the build backend), made
                                    by this interpreter's pip, which must be the image's Python (3.11)
 
-Use them with  BASE_IMAGE=hetero-moe/python:3.11-bookworm PIP_NO_INDEX=1
-PROMETHEUS_IMAGE=hetero-moe/prometheus:debian docker compose ... build  (deploy/README.md).
+Use them with the wheelhouse served on loopback (python3 -m http.server --bind 127.0.0.1
+--directory deploy/wheelhouse 8765) and  BASE_IMAGE=hetero-moe/python:3.11-bookworm PIP_NO_INDEX=1
+PIP_FIND_LINKS=http://127.0.0.1:8765/ BUILD_NETWORK=host PROMETHEUS_IMAGE=hetero-moe/prometheus:debian
+docker compose ... build  (deploy/README.md).
 
 Each is made again only when its inputs changed (a hash kept in an image label or beside the
 wheels), so a second run takes seconds. Needs root (debootstrap), debootstrap and a Docker engine.
@@ -155,7 +157,7 @@ def make_wheelhouse(wheelhouse: Path) -> bool:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python deploy/local_images.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--wheelhouse", type=Path, default=WHEELHOUSE, help="inside the build context (default: %(default)s)")
+    p.add_argument("--wheelhouse", type=Path, default=WHEELHOUSE, help="default: %(default)s")
     p.add_argument("--workdir", type=Path, default=Path("/var/tmp"), help="where debootstrap builds root filesystems")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")

@@ -10,7 +10,8 @@
    mapped to 127.0.0.1, written here as a compose override.
 
 No registry is reachable here, so the base images and the wheelhouse come from
-deploy/local_images.py and the build runs with BASE_IMAGE / PIP_NO_INDEX / PROMETHEUS_IMAGE set.
+deploy/local_images.py and the build runs with BASE_IMAGE / PIP_NO_INDEX / PROMETHEUS_IMAGE set,
+the wheelhouse served on loopback to a build in the host's network (PIP_FIND_LINKS, BUILD_NETWORK).
 On engines before 25 the override also drops healthcheck.start_interval, which they refuse.
 Each deployment must serve the same greedy tokens as the native cluster (cluster.launcher) on the
 same checkpoint with the same flags, reach every worker over the data plane that `auto` can use
@@ -20,6 +21,7 @@ per network namespace, when they share the host's), Prometheus must see all nine
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -31,6 +33,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,9 +64,14 @@ UP_TIMEOUT_S = 900.0
 COMMAND_TIMEOUT_S = 1800
 # healthcheck.start_interval (in every deploy/ file) needs Docker Engine 25; older engines refuse it.
 START_INTERVAL_ENGINE = 25
+# Fixed, outside the kernel's ephemeral range: the URL is a build arg, so a new port would build the
+# dependencies' layer again.
+WHEELHOUSE_PORT = 8765
 BUILD_ENV = {
     "BASE_IMAGE": LOCAL_BASE,
     "PIP_NO_INDEX": "1",
+    "PIP_FIND_LINKS": f"http://{HOST}:{WHEELHOUSE_PORT}/",
+    "BUILD_NETWORK": "host",
     "PROMETHEUS_IMAGE": LOCAL_PROMETHEUS,
     # No buildx plugin here: the engine's classic builder (which reads the root .dockerignore).
     "DOCKER_BUILDKIT": "0",
@@ -242,12 +250,35 @@ def images(engine, native_cluster, tmp_path_factory) -> dict[str, float]:
                   host_network=False)  # fmt: skip
     cpu.override.write_text("services: {}\n")
     start = time.monotonic()
-    cpu.run("build", "model")  # the one image of every CPU service
+    with _wheelhouse_served(tmp_path_factory.mktemp("wheelhouse") / "http.log"):
+        cpu.run("build", "model")  # the one image of every CPU service
     times["compose build"] = time.monotonic() - start
     size = _docker("image", "inspect", "--format", "{{.Size}}", "hetero-moe:cpu").stdout.strip()
     print(f"\nimages: local_images.py {times['local_images.py']:.0f} s, compose build {times['compose build']:.0f} s; "
           f"hetero-moe:cpu {int(size) / 1e9:.2f} GB")  # fmt: skip
     return times
+
+
+@contextlib.contextmanager
+def _wheelhouse_served(log_path: Path) -> Iterator[None]:
+    """deploy/wheelhouse over HTTP on loopback, as deploy/README.md serves it to an offline build."""
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", HOST, "--directory",
+                                   str(DEPLOY / "wheelhouse"), str(WHEELHOUSE_PORT)], stdout=log, stderr=log)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(BUILD_ENV["PIP_FIND_LINKS"], timeout=5):
+                    break
+            except (urllib.error.URLError, OSError):
+                assert server.poll() is None, f"the wheelhouse server exited: {log_path.read_text()[-2000:]}"
+                assert time.monotonic() < deadline, "the wheelhouse server did not answer within 30 s"
+                time.sleep(0.2)
+        yield
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def _expected_targets() -> set[tuple[str, str]]:
