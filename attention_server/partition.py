@@ -89,30 +89,35 @@ class Split:
 
 
 def partition(topk_ids: torch.Tensor, topk_weights: torch.Tensor, shards: np.ndarray,
-              split: Split | None = None) -> DispatchPlan:  # fmt: skip
+              split: Split | None = None, num_shards: int | None = None) -> DispatchPlan:  # fmt: skip
     """topk_ids, topk_weights: [T, k]; shards: [E] int64, the shard of each expert; split: the
-    experts dealt over several shards instead. The grouping is one call of the host library
-    (kernels/csrc/stages.c, hm_partition); each slice's rows and pair block are views of its output."""
+    experts dealt over several shards instead; num_shards: more than any shard (default: the largest
+    one's + 1; the attention node passes its own count, which saves a search every layer). The
+    grouping is one call of the host library (kernels/csrc/stages.c, hm_partition); each slice's rows
+    and pair block are views of its output."""
     num_tokens, k = topk_ids.shape
-    ids = topk_ids.reshape(-1).to("cpu", torch.int32).contiguous()  # [P = T*k], token-major
-    weights = topk_weights.reshape(-1).to("cpu", torch.float32).contiguous()  # [P]
-    num_pairs, num_experts = ids.shape[0], len(shards)
-    shards = np.ascontiguousarray(shards, dtype=np.int64)
+    ids = _host(topk_ids, torch.int32)  # [T, k], read as [P = T*k] pairs, token-major
+    weights = _host(topk_weights, torch.float32)
+    num_pairs, num_experts = num_tokens * k, len(shards)
+    if shards.dtype != np.int64 or not shards.flags.c_contiguous:
+        shards = np.ascontiguousarray(shards, dtype=np.int64)
     pair_shards = None
     if split is not None:
-        ids_array = ids.numpy()
+        ids_array = ids.reshape(-1).numpy()
         pair_shards = shards[ids_array]
         split.deal(ids_array, pair_shards)
-    num_shards = int(shards.max() if pair_shards is None else pair_shards.max(initial=0)) + 1
+    if num_shards is None:
+        num_shards = int(shards.max() if pair_shards is None else pair_shards.max(initial=0)) + 1
     # One buffer for the int64 results: rows [P], bounds and row_bounds [S + 1] each, expert_pairs [E].
     out = np.empty(num_pairs + 2 * (num_shards + 1) + num_experts, dtype=np.int64)
     rows, bounds = out[:num_pairs], out[num_pairs : num_pairs + num_shards + 1]
     row_bounds, expert_pairs = out[num_pairs + num_shards + 1 : -num_experts], out[-num_experts:]
     blocks = np.empty(3 * num_pairs, dtype=np.int32)
+    base = _address(out)
     status = native_build.host_library().hm_partition(
         ids.data_ptr(), weights.data_ptr(), num_pairs, k, _address(shards), num_experts,
-        None if pair_shards is None else _address(pair_shards), num_shards, _address(rows), _address(blocks),
-        _address(bounds), _address(row_bounds), _address(expert_pairs))  # fmt: skip
+        None if pair_shards is None else _address(pair_shards), num_shards, base, _address(blocks),
+        base + 8 * num_pairs, base + 8 * (num_pairs + num_shards + 1), base + 8 * (out.shape[0] - num_experts))  # fmt: skip
     if status != 0:
         raise ValueError(f"a routed expert id outside [0, {num_experts}) or a shard outside [0, {num_shards})")
     bounds, row_bounds = bounds.tolist(), row_bounds.tolist()
@@ -122,6 +127,15 @@ def partition(topk_ids: torch.Tensor, topk_weights: torch.Tensor, shards: np.nda
         for shard in range(num_shards) if bounds[shard + 1] > bounds[shard]
     )
     return DispatchPlan(num_tokens, slices, expert_pairs)
+
+
+def _host(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` as a contiguous host tensor of `dtype`; vLLM's CPU router already gives int32 ids and
+    float32 weights, which then pass as they are (a torch conversion costs microseconds even when it
+    copies nothing)."""
+    if tensor.dtype == dtype and tensor.is_contiguous() and tensor.device.type == "cpu":
+        return tensor
+    return tensor.to("cpu", dtype).contiguous()
 
 
 def _address(array: np.ndarray) -> int:

@@ -243,7 +243,7 @@ class RemoteRoutedExperts(RoutedExperts):
         start = time.perf_counter()
         micro_batch = dbo_current_ubatch_id()
         hot, shards, split = self.pool.route(self.layer_index)
-        plan = partition(topk_ids, topk_weights, shards, split)
+        plan = partition(topk_ids, topk_weights, shards, split, self.pool.hot_shard + 1)
         if plan.slices and plan.slices[-1].shard == self.pool.hot_shard:
             self.hot_calls[micro_batch] = (hot, plan)
             plan = DispatchPlan(plan.num_tokens, plan.slices[:-1], plan.expert_pairs)

@@ -143,7 +143,7 @@ def load_host(library: Path) -> ctypes.CDLL:
     lib.hm_partition.restype = lib.hm_combine.restype = code
     lib.hm_partition.argtypes = [pointer, pointer, size, size, pointer, size, pointer, size, pointer, pointer, pointer,
                                  pointer, pointer]
-    lib.hm_combine.argtypes = [pointer, size, size, size, pointer, pointer, pointer]
+    lib.hm_combine.argtypes = [pointer, code, size, size, size, pointer, pointer, pointer]
     lib.hm_shm_send_forward.restype = code
     lib.hm_shm_send_forward.argtypes = [code, pointer, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32,
                                         ctypes.c_uint32, pointer, size, size, ctypes.c_uint32, ctypes.c_uint16, pointer,

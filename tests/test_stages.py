@@ -1,6 +1,7 @@
 """Partition and combine, in-process: every pair goes to exactly one worker; the sum is ordered."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -135,6 +136,55 @@ def test_combine_is_the_float64_sum_in_worker_order(num_tokens):
         reversed_sum[part.rows] += partial.double()
     assert not torch.equal(reversed_sum, expected), "values whose sum depends on the order"
 
+
+
+def test_combine_rounds_each_row_as_torch_casts_the_float64_sum():
+    """hm_combine writes float32, float16 and bfloat16 itself: its bits are torch's cast of the float64
+    sum, for ordinary values, rounding ties, subnormals, overflow, infinities and NaN."""
+    ids, weights = routing(7, num_tokens=16)
+    plan = partition(ids, weights, Placement(E, W).shard_table())
+    g = torch.Generator().manual_seed(8)
+    ties = torch.tensor([1.0, 1 + 2**-8, 1 + 2**-7 + 2**-8, 1 + 3 * 2**-9, 1 + 2**-11, 1 + 2**-10 + 2**-11, 65520.0,
+                         2**-24, 2**-25 * 3, -0.0,
+                         float("inf"), float("nan"), 3.4e38])  # fmt: skip
+    for scale in (1.0, 1e-42, 1e-20, 6e4, 1e5, 3e38):
+        partials = [torch.randn(len(s.rows), H, generator=g) * scale for s in plan.slices]
+        for partial in partials:  # the ties alone in their columns, so that the sums are the ties
+            partial[:, : len(ties)] = partial[:, -2:] = 0.0
+        partials[0][0, : len(ties)] = ties
+        # Ties once rounded to float32 but not in float64 (1 + 2^-11 + 2^-40): torch rounds through float32.
+        token = plan.slices[0].rows[0]
+        other, row = next((i, r) for i, s in enumerate(plan.slices[1:], 1) for r, t in enumerate(s.rows) if t == token)
+        partials[0][0, -2:] = torch.tensor([1 + 2**-11, 1 + 2**-8])
+        partials[other][row, -2:] = 2**-40
+        exact = combine(plan, partials, H, torch.float64)
+        for dtype, bits in ((torch.float32, torch.int32), (torch.float16, torch.int16), (torch.bfloat16, torch.int16)):
+            got, want = combine(plan, partials, H, dtype), exact.to(dtype)
+            assert got.dtype == dtype
+            assert torch.equal(got.isnan(), want.isnan()), (scale, dtype)
+            assert torch.equal(got.view(bits)[~want.isnan()], want.view(bits)[~want.isnan()]), (scale, dtype)
+
+
+def test_combine_refuses_rows_out_of_range_or_order():
+    ids, weights = routing(9, num_tokens=4)
+    plan = partition(ids, weights, Placement(E, W).shard_table())
+    partials = [torch.zeros(len(s.rows), H) for s in plan.slices]
+    first = plan.slices[0]
+    for rows in (first.rows.flip(0), first.rows + 4):
+        bad = DispatchPlan(4, (dataclasses.replace(first, rows=rows), *plan.slices[1:]), plan.expert_pairs)
+        with pytest.raises(ValueError, match="outside \\[0, 4\\) or are not ascending"):
+            combine(bad, partials, H, torch.bfloat16)
+
+
+def test_partition_with_the_shard_count_given_is_the_same():
+    """The attention node passes its shard count (one more than its workers, for the hot slice)."""
+    ids, weights = routing(10)
+    shards = Placement(E, W).shard_table()
+    for a, b in zip(partition(ids, weights, shards).slices, partition(ids, weights, shards, num_shards=W + 1).slices,
+                    strict=True):  # fmt: skip
+        assert a.shard == b.shard and torch.equal(a.rows, b.rows) and torch.equal(a.pairs, b.pairs)
+    with pytest.raises(ValueError, match="shard outside"):
+        partition(ids, weights, shards, num_shards=W - 1)
 
 def test_split_over_workers_equals_one_process_moe():
     """partition -> per-worker reference experts -> combine == all experts in one place."""

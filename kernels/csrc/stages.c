@@ -83,18 +83,43 @@ int hm_shm_send_forward(int fd, unsigned char *segment, uint64_t size, uint64_t 
     return 0;
 }
 
-/* out [T, H] = the float64 sum of n partials, slice after slice in the order given and row after
- * row within one: partial i [counts[i], H] float32 adds to rows rows[i][...] of out. The order is
- * fixed, so the bits are too (combine.py). Returns 0; -1 for a row outside [0, T). */
-int hm_combine(double *out, int64_t T, int64_t H, int64_t n, const int64_t *const *rows, const int64_t *counts,
-               const float *const *partials) {
-    memset(out, 0, (size_t)(T * H) * sizeof *out);
-    for (int64_t i = 0; i < n; ++i)
-        for (int64_t r = 0; r < counts[i]; ++r) {
-            if (rows[i][r] < 0 || rows[i][r] >= T) return -1;
-            double *o = out + rows[i][r] * H;
-            const float *x = partials[i] + r * H;
-            for (int64_t c = 0; c < H; ++c) o[c] += (double)x[c];
+/* c10::BFloat16(float): round to nearest even, NaN as 0x7FC0. */
+static inline uint16_t bf16_bits(float value) {
+    if (value != value) return 0x7FC0;
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+/* out [T, H] in `out_dtype` (the wire's DType: 1 float32, 2 float16, 3 bfloat16, 4 float64) = the
+ * float64 sum of n partials, slice after slice in the order given: partial i [counts[i], H] float32
+ * holds rows rows[i][...] (ascending) of out. Each row is summed in one float64 accumulator, from
+ * 0, slice by slice, and rounded once to the output as torch's cast of float64 would round it
+ * (through float32, as c10's 16-bit types are built from a float); a row no slice holds is zero.
+ * The order is fixed, so the bits are too (combine.py). Returns 0; -1 for rows outside [0, T) or
+ * not ascending, -2 for another out_dtype. */
+int hm_combine(void *out, int out_dtype, int64_t T, int64_t H, int64_t n, const int64_t *const *rows,
+               const int64_t *counts, const float *const *partials) {
+    if (out_dtype < 1 || out_dtype > 4) return -2;
+    int64_t next[n > 0 ? n : 1]; /* per slice: its next row to add */
+    double sum[H > 0 ? H : 1];
+    for (int64_t i = 0; i < n; ++i) next[i] = 0;
+    for (int64_t t = 0; t < T; ++t) {
+        for (int64_t c = 0; c < H; ++c) sum[c] = 0.0;
+        for (int64_t i = 0; i < n; ++i) {
+            if (next[i] == counts[i] || rows[i][next[i]] != t) continue;
+            const float *x = partials[i] + next[i]++ * H;
+            for (int64_t c = 0; c < H; ++c) sum[c] += (double)x[c];
+            if (next[i] < counts[i] && rows[i][next[i]] <= t) return -1;
         }
+        switch (out_dtype) {
+        case 1: for (int64_t c = 0; c < H; ++c) ((float *)out)[t * H + c] = (float)sum[c]; break;
+        case 2: for (int64_t c = 0; c < H; ++c) ((_Float16 *)out)[t * H + c] = (_Float16)(float)sum[c]; break;
+        case 3: for (int64_t c = 0; c < H; ++c) ((uint16_t *)out)[t * H + c] = bf16_bits((float)sum[c]); break;
+        default: memcpy((double *)out + t * H, sum, (size_t)H * sizeof *sum);
+        }
+    }
+    for (int64_t i = 0; i < n; ++i)
+        if (next[i] != counts[i]) return -1; /* a row outside [0, T), or out of order */
     return 0;
 }
