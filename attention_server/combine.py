@@ -9,6 +9,9 @@ from attention_server.partition import DispatchPlan
 from kernels import native_build
 from protos import codec
 
+# What hm_combine writes itself (the wire's DType codes); any other dtype is cast from float64 by torch.
+_OUT_DTYPES = {dtype: codec.wire_dtype(dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
 
 def combine(plan: DispatchPlan, partials: list[torch.Tensor], hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
     """partials[i]: [T_s, H] float32 for plan.slices[i]. Returns [T, H] in `dtype`.
@@ -36,7 +39,3 @@ def combine(plan: DispatchPlan, partials: list[torch.Tensor], hidden_size: int, 
     if status != 0:
         raise ValueError(f"a slice's rows lie outside [0, {plan.num_tokens}) or are not ascending")
     return out if code is not None else out.to(dtype)
-
-
-# What hm_combine writes itself (the wire's DType codes); any other dtype is cast from float64 by torch.
-_OUT_DTYPES = {dtype: codec.wire_dtype(dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
