@@ -204,8 +204,8 @@ class Cluster:
         self.state_file.unlink(missing_ok=True)
 
 
-def wait_http_ready(base_url: str, procs: Iterable[subprocess.Popen], timeout_s: float) -> None:
-    """Block until GET {base_url}/health answers 200; raise if one of `procs` exits or time runs out."""
+def wait_http_ready(base_url: str, procs: Iterable[subprocess.Popen], timeout_s: float, path: str = "/health") -> None:
+    """Block until GET {base_url}{path} answers 200; raise if one of `procs` exits or time runs out."""
     procs = list(procs)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -213,7 +213,7 @@ def wait_http_ready(base_url: str, procs: Iterable[subprocess.Popen], timeout_s:
             raise RuntimeError(f"exited before {base_url} was ready: " + ", ".join(
                 f"{' '.join(map(str, p.args[1:4]))} (exit {p.returncode})" for p in dead))  # fmt: skip
         try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"{base_url}{path}", timeout=2) as r:
                 if r.status == 200:
                     return
         except (urllib.error.URLError, OSError):

@@ -42,7 +42,7 @@ import pytest
 
 from cluster.__main__ import CPU_VLLM_ARGS
 from cluster.certs import make_certs
-from cluster.launcher import Cluster, ClusterSpec
+from cluster.launcher import Cluster, ClusterSpec, wait_http_ready
 from tests.support import (
     HOST, PROMPTS, Generation, find_compose, free_ports, free_worker_ports, generate, label_values, openai_client,
     scrape, total,
@@ -266,15 +266,7 @@ def _wheelhouse_served(log_path: Path) -> Iterator[None]:
         server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", HOST, "--directory",
                                    str(DEPLOY / "wheelhouse"), str(WHEELHOUSE_PORT)], stdout=log, stderr=log)  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(BUILD_ENV["PIP_FIND_LINKS"], timeout=5):
-                    break
-            except (urllib.error.URLError, OSError):
-                assert server.poll() is None, f"the wheelhouse server exited: {log_path.read_text()[-2000:]}"
-                assert time.monotonic() < deadline, "the wheelhouse server did not answer within 30 s"
-                time.sleep(0.2)
+        wait_http_ready(f"http://{HOST}:{WHEELHOUSE_PORT}", [server], timeout_s=30, path="/")  # its listing
         yield
     finally:
         server.terminate()
